@@ -1,0 +1,26 @@
+"""maskconv-kernels: exact and fast masked convolutions for JAX."""
+from .api import IMPLEMENTATIONS, masked_conv
+from .masks import (
+    Mask,
+    causal_mask,
+    channel_grouped_mask,
+    horizontal_stack_mask,
+    pixelcnn_mask,
+    vertical_stack_mask,
+)
+from .reference import leaky_masked_conv, masked_conv_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "masked_conv",
+    "IMPLEMENTATIONS",
+    "Mask",
+    "pixelcnn_mask",
+    "causal_mask",
+    "vertical_stack_mask",
+    "horizontal_stack_mask",
+    "channel_grouped_mask",
+    "masked_conv_reference",
+    "leaky_masked_conv",
+]

@@ -1,0 +1,207 @@
+"""The exact pure-JAX backend: a masked convolution as a sum over dense active pieces.
+
+The mask is split once into :class:`~maskconv_kernels.masks.Term` s, each a box of
+taps that is active for a set of (input, output) channels. Each term is computed by
+one of two strategies, chosen per platform when the function is lowered:
+
+* ``"conv"``: ``lax.conv_general_dilated`` over the term's sub-kernel, with the padding
+  shifted to the box's offset (boxes of one or two taps use the im2col GEMM below). XLA's CPU convolution is a direct convolution, so an
+  output reads only the inputs under its box; the NaN-isolation tests prove it there.
+* ``"matmul"``: an im2col of the box's taps (strided slices of the padded input)
+  contracted with ``dot_general``. Only multiplies and adds of active taps, so it is
+  exact on every platform; it is what GPUs and TPUs run, where a convolution call may
+  pick Winograd or FFT and mix neighbouring windows.
+
+Masked taps are never read, so the backward pass, the transpose of these same linear
+maps, never writes to inputs reachable only through masked taps and leaves masked
+kernel entries at exactly zero.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .masks import Term
+from .spec import ConvSpec
+
+__all__ = ["masked_conv", "STRATEGIES"]
+
+STRATEGIES = ("auto", "conv", "matmul")
+
+
+def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, strategy: str = "auto") -> jax.Array:
+    """Exact masked convolution.
+
+    Args:
+      x: ``(N, *spatial, C_in)``, floating.
+      kernel: ``(*window, C_in // groups, C_out)``, same dtype as ``x``.
+      spec: the validated problem (:func:`maskconv_kernels.spec.make_spec`).
+      strategy: ``"auto"`` (``"conv"`` on CPU, ``"matmul"`` elsewhere), ``"conv"`` or ``"matmul"``.
+
+    Returns:
+      ``(N, *out_spatial, C_out)`` in ``spec.out_dtype``, accumulated in ``spec.acc_dtype``
+      (float32 for 16-bit inputs).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return _masked_conv(x, kernel, spec, strategy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _masked_conv(x, kernel, spec, strategy):
+    return _by_platform(strategy, lambda s: _forward(x, kernel, spec, s))
+
+
+def _masked_conv_fwd(x, kernel, spec, strategy):
+    return _masked_conv(x, kernel, spec, strategy), (x, kernel)
+
+
+def _masked_conv_bwd(spec, strategy, residuals, dy):
+    x, kernel = residuals
+
+    def transpose(s):
+        # The forward is linear in each argument: its transpose is the exact backward,
+        # built from the same active pieces (and nothing else).
+        (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, s), x)(dy)
+        (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, s), kernel)(dy)
+        return dx, dk
+
+    return _by_platform(strategy, transpose)
+
+
+_masked_conv.defvjp(_masked_conv_fwd, _masked_conv_bwd)
+
+
+def _by_platform(strategy, fn):
+    if strategy != "auto":
+        return fn(strategy)
+    # Decided at lowering time, so a function lowered for GPU never holds a convolution.
+    return lax.platform_dependent(cpu=lambda: fn("conv"), default=lambda: fn("matmul"))
+
+
+def _forward(x, kernel, spec: ConvSpec, strategy: str):
+    if spec.mask.is_full and spec.groups > 1:
+        return _per_group(x, kernel, spec, strategy)
+    batch = x.shape[0]
+    out = jnp.zeros((batch, *spec.out_spatial, spec.c_out), spec.acc_dtype)
+    for term in spec.mask.terms:
+        term_fn = _term_conv if strategy == "conv" and len(term.box.taps()) >= _MIN_CONV_TAPS else _term_matmul
+        xs = x if term.in_channels is None else _take(x, term.in_channels, axis=-1)
+        ks = _sub_kernel(kernel, term)
+        y = term_fn(xs, ks, term, spec)
+        out = out + y if term.out_channels is None else out.at[..., term.out_channels].add(y)
+    return out.astype(spec.out_dtype)
+
+
+# XLA:CPU's convolution of a 1- or 2-tap window costs about what a 3-tap one does
+# (measured on a 2-core x86 CPU, C=128: 1x2 conv 10 ms, 1x2 im2col GEMM 6 ms), so
+# such small boxes go through the im2col GEMM even on the "conv" strategy.
+_MIN_CONV_TAPS = 3
+
+
+def _per_group(x, kernel, spec: ConvSpec, strategy: str):
+    """Channel-partial masks with feature groups: each group is its own ungrouped problem."""
+    cig, cog = spec.c_in // spec.groups, spec.c_out // spec.groups
+    outs = []
+    for g in range(spec.groups):
+        sub = spec.mask.bits[..., g * cog : (g + 1) * cog]
+        sub_spec = _replace_mask(spec, sub, c_in=cig, c_out=cog, groups=1)
+        outs.append(
+            _forward(x[..., g * cig : (g + 1) * cig], kernel[..., g * cog : (g + 1) * cog], sub_spec, strategy)
+        )
+    return jnp.concatenate(outs, axis=-1)
+
+
+def _replace_mask(spec, bits, **changes):
+    import dataclasses
+
+    from .masks import Mask
+
+    return dataclasses.replace(spec, mask=Mask(spec.window, bits), **changes)
+
+
+def _take(a, indices, axis):
+    """``a[..., indices]`` as a slice when the indices are contiguous (no gather)."""
+    start = indices[0]
+    if indices == tuple(range(start, start + len(indices))):
+        return lax.slice_in_dim(a, start, start + len(indices), axis=a.ndim + axis if axis < 0 else axis)
+    return jnp.take(a, jnp.asarray(indices), axis=axis)
+
+
+def _sub_kernel(kernel, term: Term):
+    box = tuple(slice(s, s + n) for s, n in zip(term.box.start, term.box.size))
+    ks = kernel[box]
+    if term.in_channels is not None:
+        ks = _take(ks, term.in_channels, axis=-2)
+    if term.out_channels is not None:
+        ks = _take(ks, term.out_channels, axis=-1)
+    return ks
+
+
+def _box_padding(term: Term, spec: ConvSpec):
+    """The padding that makes a conv over the box's sub-kernel align with the full window.
+
+    Tap ``k = start + j`` reads input ``i * stride - lo + k * dilation``: the same as a
+    conv over the box with ``lo' = lo - start * dilation``; ``hi'`` keeps the output size.
+    """
+    return tuple(
+        (lo - s * d, hi - (k - s - n) * d)
+        for (lo, hi), s, n, k, d in zip(spec.padding, term.box.start, term.box.size, spec.window, spec.dilation)
+    )
+
+
+def _term_conv(xs, ks, term: Term, spec: ConvSpec):
+    groups = spec.groups if term.in_channels is None else 1
+    return lax.conv_general_dilated(
+        xs,
+        ks,
+        window_strides=spec.strides,
+        padding=_box_padding(term, spec),
+        rhs_dilation=spec.dilation,
+        dimension_numbers=spec.dimension_numbers,
+        feature_group_count=groups,
+        precision=spec.precision,
+        preferred_element_type=spec.acc_dtype,
+    )
+
+
+def _term_matmul(xs, ks, term: Term, spec: ConvSpec):
+    """im2col over the box's taps (strided views of the padded input), then one dot."""
+    ndim = spec.ndim
+    pads = _box_padding(term, spec)
+    xp = lax.pad(xs, jnp.zeros((), xs.dtype), ((0, 0, 0), *((lo, hi, 0) for lo, hi in pads), (0, 0, 0)))
+    out_spatial = spec.out_spatial
+    cols = []
+    for tap in term.box.taps():
+        j = tuple(t - s for t, s in zip(tap, term.box.start))
+        start = (0, *(jj * d for jj, d in zip(j, spec.dilation)), 0)
+        limit = (
+            xp.shape[0],
+            *(st + (o - 1) * s + 1 for st, o, s in zip(start[1:-1], out_spatial, spec.strides)),
+            xp.shape[-1],
+        )
+        cols.append(lax.slice(xp, start, limit, (1, *spec.strides, 1)))
+    groups = spec.groups if term.in_channels is None else 1
+    n_taps = len(cols)
+    patches = jnp.stack(cols, axis=-2)  # (N, *out, taps, C_in)
+    c_in = patches.shape[-1]
+    k = ks.reshape(n_taps, ks.shape[-2], ks.shape[-1])  # (taps, C_in/g, C_out)
+    if groups == 1:
+        patches = patches.reshape(*patches.shape[:-2], n_taps * c_in)
+        return lax.dot_general(
+            patches, k.reshape(n_taps * c_in, -1), (((ndim + 1,), (0,)), ((), ())),
+            precision=spec.precision, preferred_element_type=spec.acc_dtype,
+        )
+    cig, cog = c_in // groups, ks.shape[-1] // groups
+    # (N, *out, taps, G, cig) x (G, taps, cig, cog) -> (G, N, *out, cog)
+    patches = patches.reshape(*patches.shape[:-1], groups, cig)
+    kg = k.reshape(n_taps, cig, groups, cog).transpose(2, 0, 1, 3)
+    y = lax.dot_general(
+        patches, kg, (((ndim + 1, ndim + 3), (1, 2)), ((ndim + 2,), (0,))),
+        precision=spec.precision, preferred_element_type=spec.acc_dtype,
+    )
+    y = jnp.moveaxis(y, 0, -2)  # (N, *out, G, cog)
+    return y.reshape(*y.shape[:-2], groups * cog)

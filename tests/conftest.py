@@ -1,0 +1,80 @@
+"""One suite for every backend: tests take the ``conv`` fixture, the function under test.
+
+Each entry of ``BACKENDS`` has the signature of :func:`maskconv_kernels.masked_conv`
+(without ``implementation``). Kernel backends add themselves here; slow ones (Pallas
+in interpret mode) mark themselves ``slow_backend`` so that heavy cases can skip them
+with a reason.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+import maskconv_kernels as mk
+from maskconv_kernels import xla
+from maskconv_kernels.spec import make_spec
+
+_CONV_ARGS = ("strides", "padding", "dilation", "feature_group_count", "precision", "preferred_element_type")
+
+
+def _xla_strategy(strategy, x, kernel, mask, **kw):
+    spec = make_spec(x, kernel, mask, **kw)
+    return xla.masked_conv(x, kernel, spec, strategy)
+
+
+BACKENDS = {
+    "xla": functools.partial(mk.masked_conv, implementation="xla"),
+    # What the "xla" backend runs on GPUs and TPUs, tested here on the CPU.
+    "xla_matmul": functools.partial(_xla_strategy, "matmul"),
+}
+# Backends too slow for large or many cases (interpret mode).
+SLOW_BACKENDS: set[str] = set()
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def conv(request):
+    return _Named(request.param, BACKENDS[request.param])
+
+
+class _Named:
+    """The function under test, with its backend's name for skips and ids."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+        self.slow = name in SLOW_BACKENDS
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+# Error bound per unit of sqrt(reduction length) * max|x| * max|kernel|. The reference
+# is float64 on the same (rounded) inputs, so what remains is the accumulation in
+# float32 (a few ulps, 2^-23 each) and, for 16-bit outputs, the final rounding of the
+# output (half an ulp: 2^-9 for bfloat16, 2^-11 for float16), doubled for margin.
+# TF32 products (GPU default precision) would need 2^-10; CPU dots are IEEE.
+TOLERANCE = {
+    np.dtype("float32"): 2.0**-20,
+    np.dtype(jax.numpy.bfloat16): 2.0**-7,
+    np.dtype("float16"): 2.0**-9,
+}
+
+DTYPES = [np.dtype("float32"), np.dtype(jax.numpy.bfloat16), np.dtype("float16")]
+
+
+def random(key, shape, dtype=np.float32, scale=1.0):
+    """Standard normal values, drawn in float32 and cast (never zeros)."""
+    return (jax.random.normal(jax.random.PRNGKey(key), shape, np.float32) * scale).astype(dtype)
+
+
+def assert_close(actual, expected, dtype, reduction: int, scale: float):
+    """``|actual - expected| <= TOLERANCE[dtype] * sqrt(reduction) * scale`` everywhere, no NaN."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert np.isfinite(actual).all(), "non-finite values in the result"
+    bound = TOLERANCE[np.dtype(dtype)] * np.sqrt(max(reduction, 1)) * scale
+    err = np.abs(actual - expected).max(initial=0.0)
+    assert err <= bound, f"max error {err:.3g} exceeds {bound:.3g} (reduction {reduction}, scale {scale:.3g})"

@@ -1,0 +1,67 @@
+"""Every backend agrees with the float64 reference, forward and backward."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import DTYPES, assert_close, random
+from cases import CASE_IDS, CASES
+
+from maskconv_kernels import masked_conv_reference
+from maskconv_kernels.reference import masked_conv_reference_vjp
+
+
+def _inputs(case, dtype, seed=0):
+    x = random(seed, case.x_shape, dtype)
+    k = random(seed + 1, case.kernel_shape, dtype, scale=1 / np.sqrt(np.prod(case.kernel_shape[:-1])))
+    return x, k
+
+
+def _scale(a):
+    return float(np.abs(np.asarray(a, np.float64)).max(initial=0.0))
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_forward_matches_reference(conv, case):
+    if conv.slow and not case.small:
+        pytest.skip(f"{case.name} is too large for the interpret-mode backend {conv.name}")
+    x, k = _inputs(case, np.float32)
+    y = jax.jit(lambda x, k: conv(x, k, case.mask, **case.conv_args))(x, k)
+    ref = masked_conv_reference(x, k, case.mask, **case.conv_args)
+    assert y.dtype == x.dtype
+    assert_close(y, ref, np.float32, case.reduction(), _scale(x) * _scale(k))
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradients_match_reference(conv, case):
+    if conv.slow and not case.small:
+        pytest.skip(f"{case.name} is too large for the interpret-mode backend {conv.name}")
+    x, k = _inputs(case, np.float32, seed=3)
+    y, vjp = jax.vjp(lambda x, k: conv(x, k, case.mask, **case.conv_args), x, k)
+    dy = random(7, y.shape)
+    dx, dk = jax.jit(vjp)(dy)
+    rdx, rdk = masked_conv_reference_vjp(x, k, case.mask, dy, **case.conv_args)
+    c_out = case.kernel_shape[-1]
+    assert_close(dx, rdx, np.float32, case.reduction() * c_out, _scale(dy) * _scale(k))
+    pixels = int(np.prod(y.shape[:-1]))
+    assert_close(dk, rdk, np.float32, pixels, _scale(dy) * _scale(x))
+    # Masked kernel entries: exactly zero, not merely small.
+    masked = ~np.broadcast_to(
+        np.asarray(case.mask, bool).reshape(case.mask.shape + (1,) * (len(case.kernel_shape) - case.mask.ndim)),
+        case.kernel_shape,
+    )
+    assert (np.asarray(dk)[masked] == 0.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [c for c in CASES if c.small][::3], ids=lambda c: c.name)
+def test_dtypes_accumulate_in_float32(conv, case, dtype):
+    x, k = _inputs(case, dtype, seed=11)
+    y = jax.jit(lambda x, k: conv(x, k, case.mask, **case.conv_args))(x, k)
+    assert y.dtype == dtype
+    ref = masked_conv_reference(x, k, case.mask, **case.conv_args)
+    assert_close(y, ref, dtype, case.reduction(), _scale(x) * _scale(k))
+    # float32 output from 16-bit inputs: rounding of the output is gone, only f32 sums remain.
+    y32 = conv(x, k, case.mask, preferred_element_type=np.float32, **case.conv_args)
+    assert y32.dtype == np.float32
+    assert_close(y32, ref, np.float32, case.reduction(), _scale(x) * _scale(k))

@@ -1,0 +1,127 @@
+"""The exactness contract, bit for bit: masked taps do not exist for outputs or gradients."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random
+from cases import CASES
+
+import maskconv_kernels as mk
+from maskconv_kernels.spec import make_spec
+
+
+def _receptive_field(spec, out_index, co):
+    """Bool ``(*spatial, C_in)``: inputs that output ``out_index``, channel ``co`` reads through active entries."""
+    cig, cog = spec.c_in // spec.groups, spec.c_out // spec.groups
+    dense = spec.mask.dense(cig, spec.c_out)
+    field = np.zeros((*spec.in_spatial, spec.c_in), bool)
+    g = co // cog
+    for tap in itertools.product(*(range(k) for k in spec.window)):
+        ci = np.flatnonzero(dense[tap][:, co])
+        pos = tuple(o * s - lo + t * d for o, s, (lo, _), t, d in zip(out_index, spec.strides, spec.padding, tap, spec.dilation))
+        if ci.size and all(0 <= p < n for p, n in zip(pos, spec.in_spatial)):
+            field[(*pos, g * cig + ci)] = True
+    return field
+
+
+EXACT_CASES = [c for c in CASES if c.small]
+
+
+@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.name)
+def test_gradient_is_exactly_zero_outside_active_receptive_field(conv, case):
+    x = random(1, case.x_shape)
+    k = random(2, case.kernel_shape)
+    spec = make_spec(x, k, case.mask, **case.conv_args)
+    out_index = tuple(o // 2 for o in spec.out_spatial)
+    co = spec.c_out - 1
+
+    def one_output(x):
+        return conv(x, k, case.mask, **case.conv_args)[(0, *out_index, co)]
+
+    dx = np.asarray(jax.jit(jax.grad(one_output))(x))[0]
+    field = _receptive_field(spec, out_index, co)
+    assert (dx[~field] == 0.0).all(), f"gradient leaked to {int((dx[~field] != 0).sum())} masked-only inputs"
+    # Not vacuous: inputs inside the field do get gradient (random kernel, so nonzero).
+    assert (dx[field] != 0.0).all()
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.name)
+def test_poisoned_masked_inputs_leave_output_bit_identical(conv, case, poison):
+    x = random(3, case.x_shape)
+    k = random(4, case.kernel_shape)
+    spec = make_spec(x, k, case.mask, **case.conv_args)
+    out_index = tuple(o // 2 for o in spec.out_spatial)
+    co = 0
+    field = _receptive_field(spec, out_index, co)
+    poisoned = np.array(x)
+    poisoned[0][~field] = poison
+    f = jax.jit(lambda x: conv(x, k, case.mask, **case.conv_args)[(0, *out_index, co)])
+    clean, dirty = np.asarray(f(x)), np.asarray(f(jnp.asarray(poisoned)))
+    assert np.isfinite(clean)
+    assert clean.tobytes() == dirty.tobytes(), f"output changed from {clean} to {dirty}"
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_poisoned_masked_kernel_entries_are_never_read(conv, poison):
+    case = next(c for c in CASES if c.name == "2d_N2_H17_W13_C3_k5A")
+    x, k = random(5, case.x_shape), np.array(random(6, case.kernel_shape))
+    f = jax.jit(lambda x, k: conv(x, k, case.mask, **case.conv_args))
+    clean = np.asarray(f(x, k))
+    k[~case.mask.astype(bool)] = poison
+    assert np.asarray(f(x, jnp.asarray(k))).tobytes() == clean.tobytes()
+
+
+def test_seed_experiment_gradient_of_centre_pixel(conv):
+    """The report's first experiment: 3x3, last row masked, 128 channels."""
+    x = random(42, (1, 5, 5, 128))
+    k = random(43, (3, 3, 128, 128), scale=1 / np.sqrt(9 * 128))
+    mask = np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]])
+    g = jax.jit(jax.grad(lambda x: conv(x, k, mask)[:, 2, 2, :].sum()))(x)
+    g = np.abs(np.asarray(g)).mean(-1)[0]
+    expected = np.zeros((5, 5), bool)
+    expected[1:3, 1:4] = True
+    assert (g[~expected] == 0.0).all(), g
+    assert (g[expected] > 0).all(), g
+
+
+def test_seed_experiment_zeros_over_ones(conv):
+    """The report's second experiment: the centre row reads only zeros, so it is exactly 0."""
+    x = jnp.concatenate([jnp.zeros((1, 3, 5, 128)), jnp.ones((1, 2, 5, 128))], axis=1)
+    k = random(43, (3, 3, 128, 128), scale=1 / np.sqrt(9 * 128))
+    mask = np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]])
+    y = np.asarray(jax.jit(lambda x: conv(x, k, mask))(x))
+    assert (y[0, :3] == 0.0).all()
+    assert (np.abs(y[0, 3:]).mean(-1) > 0.1).all()
+
+
+def test_deep_pixelcnn_stack_is_exactly_causal(conv):
+    """Type A then five type B layers: the centre output never sees the centre or later pixels."""
+    if conv.slow:
+        pytest.skip(f"six layers of 16 channels is too slow for the interpret-mode backend {conv.name}")
+    h = w = 9
+    c = 16
+    masks = [mk.pixelcnn_mask((7, 7), "A")] + [mk.pixelcnn_mask((3, 3), "B")] * 5
+    kernels = [random(10 + i, (*m.shape, 3 if i == 0 else c, c), scale=0.3) for i, m in enumerate(masks)]
+
+    def net(x):
+        for m, k in zip(masks, kernels):
+            x = jnp.tanh(conv(x, k, m))
+        return x
+
+    x = random(9, (1, h, w, 3))
+    centre = (h // 2, w // 2)
+    g = np.asarray(jax.jit(jax.grad(lambda x: net(x)[(0, *centre)].sum()))(x))[0]
+    raster = np.arange(h * w).reshape(h, w)
+    future = raster >= raster[centre]
+    assert (g[future] == 0.0).all(), f"{int((g[future] != 0).sum())} future inputs got gradient"
+    assert (np.abs(g[~future]).sum(-1) > 0).sum() > h * w // 4  # the past does get gradient
+    # And poisoning the whole future leaves the centre output bit-identical.
+    poisoned = np.array(x)
+    poisoned[0][future] = np.nan
+    f = jax.jit(lambda x: net(x)[(0, *centre)])
+    assert np.asarray(f(x)).tobytes() == np.asarray(f(jnp.asarray(poisoned))).tobytes()

@@ -1,0 +1,60 @@
+"""Random shapes, masks and geometry against the float64 reference."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from conftest import BACKENDS, SLOW_BACKENDS, assert_close, random
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from maskconv_kernels import masked_conv_reference
+from maskconv_kernels.reference import masked_conv_reference_vjp
+
+
+@st.composite
+def problems(draw):
+    ndim = draw(st.integers(1, 2))
+    window = tuple(draw(st.integers(1, 4)) for _ in range(ndim))
+    groups = draw(st.sampled_from([1, 1, 2]))
+    c_in = groups * draw(st.integers(1, 3))
+    c_out = groups * draw(st.integers(1, 3))
+    full = draw(st.booleans())
+    mask_shape = (*window, c_in // groups, c_out) if full else window
+    seed = draw(st.integers(0, 2**16))
+    bits = np.random.default_rng(seed).random(mask_shape) < draw(st.floats(0.2, 0.9))
+    strides = tuple(draw(st.integers(1, 3)) for _ in range(ndim))
+    dilation = tuple(draw(st.integers(1, 3)) for _ in range(ndim))
+    padding = draw(
+        st.one_of(
+            st.sampled_from(["SAME", "VALID"] + (["CAUSAL"] if ndim == 1 else [])),
+            st.tuples(*[st.tuples(st.integers(-1, 4), st.integers(-1, 4)) for _ in range(ndim)]),
+        )
+    )
+    need = [d * (k - 1) + 1 for d, k in zip(dilation, window)]
+    spatial = tuple(draw(st.integers(n + 1, n + 8)) for n in need)
+    x_shape = (draw(st.integers(1, 2)), *spatial, c_in)
+    kernel_shape = (*window, c_in // groups, c_out)
+    args = dict(strides=strides, dilation=dilation, padding=padding, feature_group_count=groups)
+    return seed, x_shape, kernel_shape, bits, args
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(problems())
+def test_random_problems_match_reference(problem):
+    seed, x_shape, kernel_shape, bits, args = problem
+    x, k = random(seed, x_shape), random(seed + 1, kernel_shape)
+    ref = masked_conv_reference(x, k, bits, **args)
+    dy = random(seed + 2, ref.shape)
+    rdx, rdk = masked_conv_reference_vjp(x, k, bits, dy, **args)
+    reduction = int(np.prod(kernel_shape[:-1]))
+    pixels = int(np.prod(ref.shape[:-1]))
+    for name, conv in BACKENDS.items():
+        if name in SLOW_BACKENDS:
+            continue
+        y, vjp = jax.vjp(lambda x, k: conv(x, k, bits, **args), x, k)
+        assert_close(y, ref, np.float32, reduction, 1.0 * np.abs(x).max() * np.abs(k).max())
+        dx, dk = vjp(dy)
+        assert_close(dx, rdx, np.float32, reduction * kernel_shape[-1], np.abs(dy).max() * np.abs(k).max())
+        assert_close(dk, rdk, np.float32, pixels, np.abs(dy).max() * np.abs(x).max())
+        masked = ~np.broadcast_to(bits.reshape(bits.shape + (1,) * (len(kernel_shape) - bits.ndim)), kernel_shape)
+        assert (np.asarray(dk)[masked] == 0.0).all()
