@@ -1,15 +1,45 @@
-"""The public entry point: :func:`masked_conv`, its validation and backend dispatch."""
+"""The public entry point: :func:`masked_conv`, its validation and backend dispatch.
+
+A backend is a module with two functions:
+
+* ``unsupported(spec: ConvSpec, platform: str, interpret: bool) -> str | None``: why it
+  cannot run this problem on this platform (``None`` when it can);
+* ``masked_conv(x, kernel, spec, *, interpret: bool) -> jax.Array``.
+
+``implementation=None`` tries ``PREFERENCE`` in order and takes the first backend that
+supports the problem; ``"xla"`` supports everything, so it is the fallback.
+"""
 from __future__ import annotations
+
+import importlib
 
 import jax
 
-from . import xla
 from .spec import make_spec
 
-__all__ = ["masked_conv", "IMPLEMENTATIONS"]
+__all__ = ["masked_conv", "IMPLEMENTATIONS", "implementation_for"]
 
-# Tried in order by implementation=None; each entry says whether it applies.
-IMPLEMENTATIONS = ("xla",)
+# name -> module holding the backend; imported on first use, so optional
+# dependencies (triton, jax-triton) are only needed by those who ask for them.
+_MODULES = {
+    "xla": "maskconv_kernels.xla",
+}
+IMPLEMENTATIONS = tuple(_MODULES)
+# Tried in order by implementation=None.
+PREFERENCE = ("xla",)
+
+
+def _backend(name: str):
+    return importlib.import_module(_MODULES[name])
+
+
+def implementation_for(spec, platform: str | None = None, interpret: bool = False) -> str:
+    """The backend ``implementation=None`` picks for ``spec`` on ``platform`` (default: jax's)."""
+    platform = platform or jax.default_backend()
+    for name in PREFERENCE:
+        if _backend(name).unsupported(spec, platform, interpret) is None:
+            return name
+    raise AssertionError("the xla backend supports every problem")  # pragma: no cover
 
 
 def masked_conv(
@@ -42,14 +72,19 @@ def masked_conv(
         IEEE float32 products on GPUs (no TF32).
       preferred_element_type: output dtype; defaults to ``x.dtype``. Accumulation is in
         float32 for every input dtype narrower than that.
-      implementation: ``None`` (the best available for the platform), or ``"xla"``.
-      interpret: run Pallas kernels in interpret mode (for tests on CPU).
+      implementation: ``None`` (the best backend that supports the problem on this
+        platform) or one of ``IMPLEMENTATIONS``.
+      interpret: run kernel backends in interpret mode (for tests on CPU).
 
     Returns:
       ``(N, *out_spatial, C_out)``. For finite inputs it equals
       ``lax.conv_general_dilated(x, kernel * mask, ...)`` up to rounding. Always: outputs do
       not depend on inputs reachable only through masked taps, whose gradient is exactly
       0.0, and the gradient of masked kernel entries is exactly 0.0.
+
+    Raises:
+      ValueError, TypeError: bad arguments (the message names the argument).
+      NotImplementedError: the requested implementation does not support this problem.
     """
     spec = make_spec(
         x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
@@ -57,8 +92,11 @@ def masked_conv(
         preferred_element_type=preferred_element_type,
     )
     if implementation is None:
-        implementation = "xla"
-    if implementation not in IMPLEMENTATIONS:
+        implementation = implementation_for(spec, interpret=interpret)
+    elif implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    del interpret  # Used by the kernel backends.
-    return xla.masked_conv(x, kernel, spec)
+    else:
+        reason = _backend(implementation).unsupported(spec, jax.default_backend(), interpret)
+        if reason is not None:
+            raise NotImplementedError(f'implementation="{implementation}" does not support this problem: {reason}')
+    return _backend(implementation).masked_conv(x, kernel, spec, interpret=interpret)

@@ -27,12 +27,19 @@ from jax import lax
 from .masks import Term
 from .spec import ConvSpec
 
-__all__ = ["masked_conv", "STRATEGIES"]
+__all__ = ["masked_conv", "unsupported", "STRATEGIES"]
 
 STRATEGIES = ("auto", "conv", "matmul")
 
 
-def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, strategy: str = "auto") -> jax.Array:
+def unsupported(spec: ConvSpec, platform: str, interpret: bool = False) -> str | None:
+    """The pure-JAX backend runs every problem on every platform."""
+    return None
+
+
+def masked_conv(
+    x: jax.Array, kernel: jax.Array, spec: ConvSpec, strategy: str = "auto", *, interpret: bool = False
+) -> jax.Array:
     """Exact masked convolution.
 
     Args:
@@ -40,6 +47,7 @@ def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, strategy: str =
       kernel: ``(*window, C_in // groups, C_out)``, same dtype as ``x``.
       spec: the validated problem (:func:`maskconv_kernels.spec.make_spec`).
       strategy: ``"auto"`` (``"conv"`` on CPU, ``"matmul"`` elsewhere), ``"conv"`` or ``"matmul"``.
+      interpret: ignored (there is no kernel to interpret); accepted for the backend interface.
 
     Returns:
       ``(N, *out_spatial, C_out)`` in ``spec.out_dtype``, accumulated in ``spec.acc_dtype``
@@ -47,6 +55,7 @@ def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, strategy: str =
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    del interpret
     return _masked_conv(x, kernel, spec, strategy)
 
 
