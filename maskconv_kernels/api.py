@@ -22,11 +22,13 @@ __all__ = ["masked_conv", "IMPLEMENTATIONS", "implementation_for"]
 # name -> module holding the backend; imported on first use, so optional
 # dependencies (triton, jax-triton) are only needed by those who ask for them.
 _MODULES = {
+    "pallas": "maskconv_kernels.pallas",
+    "triton": "maskconv_kernels.triton",
     "xla": "maskconv_kernels.xla",
 }
 IMPLEMENTATIONS = tuple(_MODULES)
 # Tried in order by implementation=None.
-PREFERENCE = ("xla",)
+PREFERENCE = ("pallas", "xla")
 
 
 def _backend(name: str):
@@ -99,4 +101,8 @@ def masked_conv(
         reason = _backend(implementation).unsupported(spec, jax.default_backend(), interpret)
         if reason is not None:
             raise NotImplementedError(f'implementation="{implementation}" does not support this problem: {reason}')
-    return _backend(implementation).masked_conv(x, kernel, spec, interpret=interpret)
+    # Kernel backends are custom calls XLA cannot partition: this wraps them so a
+    # batch-sharded x stays sharded under jit (see maskconv_kernels/sharding.py).
+    from .sharding import partitioned_masked_conv
+
+    return partitioned_masked_conv(implementation, _backend(implementation), x, kernel, spec, interpret=interpret)

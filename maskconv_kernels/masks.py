@@ -278,20 +278,21 @@ def causal_mask(kernel_size: int, include_current: bool = True) -> np.ndarray:
     return np.arange(k) < centre + int(include_current)
 
 
-def vertical_stack_mask(window) -> np.ndarray:
-    """Gated PixelCNN vertical stack (van den Oord et al., 2016): rows above the centre.
+def vertical_stack_mask(window, mask_type: str = "A") -> np.ndarray:
+    """Gated PixelCNN vertical stack (van den Oord et al., 2016): whole rows above the pixel.
 
-    The vertical stack sees every pixel of the rows strictly above; its output is
-    shifted down by one row before it feeds the horizontal stack, so the centre row is
-    masked here (no blind spot, no look-ahead).
+    Type "A" (the first layer) keeps the rows strictly above the centre. Type "B" (later
+    layers) also keeps the centre row: their input already depends on rows strictly above
+    only, so this is the paper's shift down by one row, done by the mask.
 
     Returns: bool array of shape ``window`` (2-D, odd height).
     """
     kh, kw = _check_window(window, 2)
     if kh % 2 == 0:
         raise ValueError(f"vertical_stack_mask needs an odd height, got {window}")
+    _check_type(mask_type)
     m = np.zeros((kh, kw), bool)
-    m[: kh // 2] = True
+    m[: kh // 2 + (mask_type == "B")] = True
     return m
 
 

@@ -8,6 +8,7 @@ with a reason.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import numpy as np
@@ -25,13 +26,38 @@ def _xla_strategy(strategy, x, kernel, mask, **kw):
     return xla.masked_conv(x, kernel, spec, strategy)
 
 
+def _kernel_backend(implementation, interpret, x, kernel, mask, precision=None, **kw):
+    """A kernel backend; problems it does not support (3-D, groups) skip, naming the reason.
+
+    Explicit ``implementation=`` raising ``NotImplementedError`` for them is tested in the
+    backend's own tests; here the shared cases would only repeat that.
+    """
+    kw["precision"] = precision
+    spec = make_spec(x, kernel, mask, **kw)
+    reason = importlib.import_module(f"maskconv_kernels.{implementation}").unsupported(
+        spec, jax.default_backend(), interpret
+    )
+    if reason is not None:
+        pytest.skip(f'implementation="{implementation}" does not support this case: {reason}')
+    return mk.masked_conv(x, kernel, mask, implementation=implementation, interpret=interpret, **kw)
+
+
 BACKENDS = {
     "xla": functools.partial(mk.masked_conv, implementation="xla"),
     # What the "xla" backend runs on GPUs and TPUs, tested here on the CPU.
     "xla_matmul": functools.partial(_xla_strategy, "matmul"),
+    # The Pallas kernels, run by the Pallas interpreter: what CI checks on CPU.
+    "pallas_interpret": functools.partial(_kernel_backend, "pallas", True),
 }
+if jax.default_backend() == "gpu":
+    # Compiled for the GPU. Float32 dots there default to TF32 (10-bit mantissa), which the
+    # float32 TOLERANCE (IEEE accumulation) does not cover: the suite asks for IEEE
+    # products unless a case sets its own precision. TF32 runs in the benchmarks.
+    BACKENDS["pallas"] = functools.partial(_kernel_backend, "pallas", False, precision="highest")
+    # Official Triton through jax-triton: compiled on GPUs only (no interpret mode).
+    BACKENDS["triton"] = functools.partial(mk.masked_conv, implementation="triton")
 # Backends too slow for large or many cases (interpret mode).
-SLOW_BACKENDS: set[str] = set()
+SLOW_BACKENDS: set[str] = {"pallas_interpret"}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

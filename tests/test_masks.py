@@ -41,6 +41,7 @@ def test_causal_mask():
 
 def test_gated_stacks():
     np.testing.assert_array_equal(mk.vertical_stack_mask((3, 3)), [[1, 1, 1], [0, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(mk.vertical_stack_mask((3, 2), "B"), [[1, 1], [1, 1], [0, 0]])
     np.testing.assert_array_equal(mk.horizontal_stack_mask((1, 3), "A"), [[1, 0, 0]])
     np.testing.assert_array_equal(mk.horizontal_stack_mask((3, 3), "B")[1], [1, 1, 0])
 

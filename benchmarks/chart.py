@@ -1,0 +1,88 @@
+"""The speed-up chart: baseline time / implementation time, per shape, one bar per implementation.
+
+    python -m benchmarks.chart benchmarks/results/cpu.jsonl   # redraws benchmarks/results/cpu.png
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .shapes import SHAPES
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+
+def chart(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = [r for r in rows if r["implementation"] != "baseline" and "speedup" in r]
+    if not rows:
+        return
+    dtypes = [d for d in ("bfloat16", "float32", "float16") if any(r["dtype"] == d for r in rows)]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    impls = sorted({r["implementation"] for r in rows})
+    order = [s.name for s in SHAPES]
+    shapes = sorted({r["shape"] for r in rows}, key=lambda n: order.index(n) if n in order else len(order))
+    batch = {r["shape"]: r["batch"] for r in rows}
+    labels = [f"{n} (N={batch[n]})" for n in shapes]
+
+    height = 0.8 / len(impls)
+    speedups = [r["speedup"] for r in rows]
+    lo, hi = min(min(speedups), 0.5), max(max(speedups), 2.0)
+    fig, axes = plt.subplots(len(dtypes), len(modes), figsize=(5.5 * len(modes), 0.32 * len(shapes) * len(dtypes) + 1.6),
+                             squeeze=False, sharey=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, dtype in enumerate(dtypes):
+        for j, mode in enumerate(modes):
+            ax = axes[i][j]
+            for k, impl in enumerate(impls):
+                got = {r["shape"]: r["speedup"] for r in rows
+                       if r["dtype"] == dtype and r["mode"] == mode and r["implementation"] == impl}
+                ys = [y for y, n in enumerate(shapes) if n in got]
+                vals = [got[shapes[y]] for y in ys]
+                pos = [y + (k - (len(impls) - 1) / 2) * height for y in ys]
+                # Bars start at 1x, so slower-than-baseline bars point left on the log axis.
+                ax.barh(pos, [v - 1.0 for v in vals], left=1.0, height=height,
+                        color=colours[k % len(colours)], label=impl)
+                for p, v in zip(pos, vals):
+                    ax.text(v, p, f" {v:.2f}x " if v >= 1 else f" {v:.2f}x ", va="center",
+                            ha="left" if v >= 1 else "right", fontsize=6)
+            ax.axvline(1.0, color="black", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xlim(lo / 1.6, hi * 1.6)
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_title(f"{dtype}, {mode}", fontsize=10)
+            ax.grid(axis="x", which="both", alpha=0.3)
+            if i == len(dtypes) - 1:
+                ax.set_xlabel("speed-up over lax.conv(kernel*mask)  (>1: ours faster)")
+    axes[0][0].set_yticks(range(len(shapes)))
+    axes[0][0].invert_yaxis()
+    for row in axes:
+        row[0].set_yticklabels(labels, fontsize=8)
+    meta = rows[0]
+    fig.suptitle(f"maskconv_kernels vs lax.conv_general_dilated(x, kernel*mask) on {meta['device']}\n"
+                 f"jax {meta['jax']}, commit {meta['commit'][:12]}{'-dirty' if meta['commit'].endswith('-dirty') else ''}, {meta['time_utc']}", fontsize=10)
+    axes[0][-1].legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    for name in argv:
+        path = Path(name)
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        chart(rows, path.with_suffix(".png"))
+        print(path.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU check: one command, under 8 minutes on one H200 (jax preinstalled, no network).
+#
+#   MASKCONV_COMMIT=<sha> bash benchmarks/gpu_check.sh        # from the repository root
+#
+# Stages, each under its own timeout so that one slow stage cannot eat the others:
+#   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
+#   2. the pytest suite, compiled on the GPU                               -> pytest.txt
+#   3. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
+#      (python -m maskconv_kernels)                                         -> leak_report.json
+#   4. the benchmark grid against cuDNN, most important cells first, with a
+#      time budget (python -m benchmarks.run --preset gpu)                  -> <gpu>.jsonl/.md/.png
+#   5. the summary table, printed last
+# Everything goes to $OUT (default benchmarks/results/gpu-check), with the full log in
+# gpu_check.log; at most 7 files, as the device machine returns at most 8.
+#
+# The device machine's copy of the tree has no .git: pass the commit as MASKCONV_COMMIT.
+# Override the interpreter with PYTHON=..., the stage limits with *_TIMEOUT (seconds).
+# GPU_CHECK_ALLOW_CPU=1 lets the script run without a GPU (to test the script itself).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
+REPORT_TIMEOUT=${REPORT_TIMEOUT:-45}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-220}
+BENCH_BUDGET=${BENCH_BUDGET:-160}   # cells started after this many seconds are skipped
+BENCH_ARGS=${BENCH_ARGS:-}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export MASKCONV_COMMIT=${MASKCONV_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+START=$(date +%s)
+stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
+declare -A STATUS
+
+stage "1. machine and versions"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+  --format=csv 2>&1 || echo "nvidia-smi: not available"
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+timeout 60 "$PYTHON" - "$OUT/env.json" <<'EOF'
+import json, os, platform, subprocess, sys
+import jax, jaxlib
+def smi(field):
+    try:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip() or None
+    except OSError:
+        return None
+env = {
+    "gpu": smi("name"), "driver": smi("driver_version"), "memory_total": smi("memory.total"),
+    "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()],
+    "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": platform.python_version(),
+    "commit": os.environ.get("MASKCONV_COMMIT"),
+}
+try:
+    import triton
+    env["triton"] = triton.__version__
+except Exception as e:
+    env["triton"] = f"not importable: {e}"
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(env, indent=1))
+if env["backend"] != "gpu" and os.environ.get("GPU_CHECK_ALLOW_CPU") != "1":
+    sys.exit("jax sees no GPU (backend %r): this check is meant for the device machine" % env["backend"])
+EOF
+STATUS[env]=$?
+[ "${STATUS[env]}" = 0 ] || { echo "no usable jax on a GPU: stopping"; exit 1; }
+TAG=$(echo "${GPU_NAME:-cpu}" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//')
+
+stage "2. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
+PYTEST_ARGS=(-q -p no:cacheprovider --durations=10 -rs)
+"$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
+timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" tests 2>&1 | tee "$OUT/pytest.txt" | tail -40
+STATUS[pytest]=${PIPESTATUS[0]}
+
+stage "3. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
+STATUS[leak_report]=$?
+
+stage "4. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
+# shellcheck disable=SC2086
+# stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
+timeout "$BENCH_TIMEOUT" "$PYTHON" -m benchmarks.run --preset gpu --time-budget "$BENCH_BUDGET" \
+  --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
+STATUS[bench]=${PIPESTATUS[0]}
+
+stage "5. summary"
+# Re-rendered from the rows written so far, so an interrupted grid still gets its table and chart.
+if [ -s "$OUT/$TAG.jsonl" ]; then
+  timeout 60 "$PYTHON" -m benchmarks.run --render "$OUT/$TAG.jsonl" | sed -n '/^## Summary/,$p'
+else
+  echo "no benchmark rows"
+fi
+if [ -s "$OUT/leak_report.json" ]; then
+  echo; echo "Seed experiments (python -m maskconv_kernels):"
+  "$PYTHON" - "$OUT/leak_report.json" <<'EOF' || echo "(leak_report.json not in the expected format)"
+import json, sys
+r = json.load(open(sys.argv[1]))
+ex = r["exactness"]
+labels = list(ex)
+print(r.get("device", ""), "| masked_conv implementation:", r.get("implementation"))
+print("| check | " + " | ".join(labels) + " |")
+print("|---|" + "---:|" * len(labels))
+for check in ex[labels[0]]:
+    print(f"| {check} | " + " | ".join(f"{ex[l][check]:.3g}" for l in labels) + " |")
+EOF
+fi
+echo
+echo "| stage | exit status |"
+echo "|---|---|"
+for s in env pytest leak_report bench; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
+echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "total $(( $(date +%s) - START ))s"

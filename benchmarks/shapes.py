@@ -1,0 +1,121 @@
+"""The one source of benchmark shapes: masked convolution layers of real models.
+
+Shared by ``benchmarks/run.py`` (timing) and ``tests/test_benchmark_shapes.py`` (CI
+correctness at ``small_batch``), so that every shape we time is also checked.
+
+Sources:
+* PixelCNN (van den Oord et al., 2016, "Pixel Recurrent Neural Networks"): a 7x7
+  type-A first layer (MNIST: 1 input channel; CIFAR-10: 3), then 3x3 type-B residual
+  layers with 2h = 256 channels at 32x32 (h = 128 for CIFAR); 28x28 for MNIST and
+  64x64 for down-sampled ImageNet.
+* PixelCNN++ (Salimans et al., 2017): 160 filters at 32x32; we time its 5x5 type-B
+  masked equivalent.
+* Gated PixelCNN (van den Oord et al., 2016, "Conditional Image Generation with
+  PixelCNN Decoders"): an n x n vertical stack (rows above the centre) and a 1 x n
+  horizontal stack, each producing 2p channels for the tanh/sigmoid gate.
+* WaveNet (van den Oord et al., 2016): 1-D causal convolutions, kernel 2, dilations
+  1, 2, ..., 512 (we time 1, 32 and 512), residual channels 64-256 doubled for the
+  gate, 16k samples (about 1 s of 16 kHz audio); plus the masked form used by many
+  reimplementations: a 3-tap kernel with its future tap masked and ``SAME`` padding.
+
+``batch`` is chosen to fill an H200 (at least ~10 GFLOP per forward pass, so that one
+call runs well past launch overhead); ``small_batch`` is for CPUs and CI.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import maskconv_kernels as mk
+
+__all__ = ["BenchShape", "SHAPES", "BAR_SHAPES", "by_name"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchShape:
+    """One masked convolution layer: ``x: (N, *spatial, c_in)``, ``kernel: (*window, c_in, c_out)``."""
+
+    name: str
+    family: str  # "pixelcnn", "gated", "wavenet"
+    spatial: tuple[int, ...]
+    c_in: int
+    c_out: int
+    mask: np.ndarray  # window-shaped bools
+    batch: int  # fills the device
+    small_batch: int  # CPU runs and CI
+    conv_args: dict = dataclasses.field(default_factory=dict)
+    # One of the issue's acceptance shapes (bf16, N=64, 32x32, C=256).
+    bar: bool = False
+
+    @property
+    def window(self) -> tuple[int, ...]:
+        return tuple(self.mask.shape)
+
+    def x_shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, *self.spatial, self.c_in)
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        return (*self.window, self.c_in, self.c_out)
+
+    @property
+    def active_taps(self) -> int:
+        return int(np.asarray(self.mask, bool).sum())
+
+
+P = mk.pixelcnn_mask
+
+
+def _pixelcnn(name, hw, c_in, c_out, window, mask_type, batch, small_batch=2, bar=False, family="pixelcnn"):
+    return BenchShape(name, family, (hw, hw), c_in, c_out, P(window, mask_type), batch, small_batch, bar=bar)
+
+
+SHAPES: tuple[BenchShape, ...] = (
+    # PixelCNN first layers (type A: the centre pixel is excluded).
+    _pixelcnn("pixelcnn_7x7A_C1-64_28x28", 28, 1, 64, (7, 7), "A", batch=256, small_batch=4),
+    _pixelcnn("pixelcnn_7x7A_C3-256_32x32", 32, 3, 256, (7, 7), "A", batch=64),
+    _pixelcnn("pixelcnn_7x7A_C256_32x32", 32, 256, 256, (7, 7), "A", batch=64, small_batch=1, bar=True),
+    # PixelCNN / PixelCNN++ type-B layers.
+    _pixelcnn("pixelcnn_3x3B_C64_28x28", 28, 64, 64, (3, 3), "B", batch=256, small_batch=4),
+    _pixelcnn("pixelcnn_3x3B_C128_32x32", 32, 128, 128, (3, 3), "B", batch=128),
+    _pixelcnn("pixelcnn_3x3B_C256_32x32", 32, 256, 256, (3, 3), "B", batch=64, bar=True),
+    _pixelcnn("pixelcnn_3x3B_C128_64x64", 64, 128, 128, (3, 3), "B", batch=32, small_batch=1),
+    _pixelcnn("pixelcnn++_5x5B_C160_32x32", 32, 160, 160, (5, 5), "B", batch=64, small_batch=1),
+    _pixelcnn("pixelcnn_5x5B_C64_28x28", 28, 64, 64, (5, 5), "B", batch=256, small_batch=4),
+    # Gated PixelCNN stacks (2p output channels feed the gate).
+    BenchShape(
+        "gated_vstack_5x5_C128-256_32x32", "gated", (32, 32), 128, 256, mk.vertical_stack_mask((5, 5)),
+        batch=64, small_batch=2,
+    ),
+    BenchShape(
+        "gated_hstack_1x5B_C128-256_32x32", "gated", (32, 32), 128, 256, mk.horizontal_stack_mask((1, 5), "B"),
+        batch=64, small_batch=2,
+    ),
+    # WaveNet dilated causal convolutions, 16k samples.
+    BenchShape(
+        "wavenet_k2_d1_C64-128_L16k", "wavenet", (16384,), 64, 128, np.ones(2, bool),
+        batch=32, small_batch=1, conv_args={"padding": "CAUSAL", "dilation": 1},
+    ),
+    BenchShape(
+        "wavenet_k2_d32_C128-256_L16k", "wavenet", (16384,), 128, 256, np.ones(2, bool),
+        batch=32, small_batch=1, conv_args={"padding": "CAUSAL", "dilation": 32},
+    ),
+    BenchShape(
+        "wavenet_k2_d512_C256-512_L16k", "wavenet", (16384,), 256, 512, np.ones(2, bool),
+        batch=16, small_batch=1, conv_args={"padding": "CAUSAL", "dilation": 512},
+    ),
+    BenchShape(
+        "wavenet_k3masked_d8_C128-256_L16k", "wavenet", (16384,), 128, 256, mk.causal_mask(3),
+        batch=32, small_batch=1, conv_args={"padding": "SAME", "dilation": 8},
+    ),
+)
+
+BAR_SHAPES = tuple(s for s in SHAPES if s.bar)
+
+
+def by_name(name: str) -> BenchShape:
+    for s in SHAPES:
+        if s.name == name:
+            return s
+    raise KeyError(f"no benchmark shape named {name!r}; known: {[s.name for s in SHAPES]}")

@@ -1,0 +1,15 @@
+"""Flax modules: exact drop-in replacements for ``Conv(mask=...)``.
+
+* :class:`MaskedConv` replaces ``flax.linen.Conv``;
+* :class:`maskconv_kernels.flax.nnx.MaskedConv` replaces ``flax.nnx.Conv``.
+
+Both keep the parameter names, shapes and initialisers of the flax module, so a
+checkpoint of one loads into the other. Needs the ``flax`` extra
+(``pip install "maskconv-kernels[flax]"``); the core package does not import flax.
+"""
+# Absolute imports throughout: inside this package, the name ``flax`` must stay the
+# flax library, not ``maskconv_kernels.flax``.
+from maskconv_kernels.flax import nnx
+from maskconv_kernels.flax.linen import MaskedConv
+
+__all__ = ["MaskedConv", "nnx"]

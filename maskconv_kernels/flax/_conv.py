@@ -1,0 +1,124 @@
+"""What ``flax.linen.Conv`` and ``flax.nnx.Conv`` do around the convolution, shared by both modules.
+
+Batch dims, padding modes and input dilation are handled exactly as flax 0.12 handles
+them (``flax/linen/linear.py``, ``_Conv.__call__``), so that a module here is ``nn.Conv``
+with ``lax.conv_general_dilated(x, kernel * mask)`` replaced by
+:func:`maskconv_kernels.masked_conv`. Everything done to the input before the
+convolution (wrap or reflect padding, zero insertion) is a copy of real values or a
+real zero, so masked taps are still never read.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen.linear import canonicalize_padding
+from jax import lax
+
+from maskconv_kernels.api import masked_conv
+from maskconv_kernels.masks import Mask, as_mask
+
+__all__ = ["static_mask", "conv", "kernel_size_tuple"]
+
+
+def kernel_size_tuple(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
+    return (kernel_size,) if isinstance(kernel_size, int) else tuple(int(k) for k in kernel_size)
+
+
+def static_mask(mask, kernel_size) -> Mask | None:
+    """Normalises a module's ``mask`` field into a hashable :class:`Mask`, or ``None``.
+
+    The input channel count is unknown until the module is called, so only the window
+    is checked here; the channel dims of a full mask are checked against the kernel then.
+    """
+    if mask is None:
+        return None
+    window = kernel_size_tuple(kernel_size)
+    shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
+    if shape == window:
+        return as_mask(mask, (*window, 1, 1))
+    if len(shape) == len(window) + 2 and shape[:-2] == window:
+        return as_mask(mask, shape)
+    raise ValueError(
+        f"mask has shape {shape} but kernel_size is {window}: pass a mask of shape {window} (one bit per "
+        f"tap) or ({', '.join(map(str, window))}, C_in // feature_group_count, features) (the full kernel shape)"
+    )
+
+
+def conv(
+    inputs: jax.Array,
+    kernel: jax.Array,
+    mask: Mask | None,
+    *,
+    strides,
+    padding,
+    input_dilation,
+    kernel_dilation,
+    feature_group_count: int,
+    precision,
+    preferred_element_type=None,
+    implementation: str | None,
+) -> jax.Array:
+    """``nn.Conv``'s convolution step (no bias) with ``kernel * mask`` made exact.
+
+    Args:
+      inputs: ``(*batch_dims, *spatial, C_in)``; no batch dim, or several, as in flax.
+      kernel: ``(*window, C_in // feature_group_count, C_out)``, the dtype of ``inputs``.
+      mask: the normalised mask, or ``None`` for a plain convolution (every tap active).
+    """
+    window = tuple(kernel.shape[:-2])
+    ndim = len(window)
+    if mask is None:
+        mask = Mask(window, np.ones(window, bool))
+    else:
+        mask = as_mask(mask, kernel.shape)
+
+    def broadcast(value):
+        value = 1 if value is None else value  # flax's sentinel for "1 in every dim"
+        return (value,) * ndim if isinstance(value, int) else tuple(value)
+
+    strides = broadcast(strides)
+    input_dilation = broadcast(input_dilation)
+    kernel_dilation = broadcast(kernel_dilation)
+
+    num_batch_dims = inputs.ndim - (ndim + 1)
+    if num_batch_dims != 1:
+        batch_shape = inputs.shape[:num_batch_dims]
+        inputs = jnp.reshape(inputs, (-1, *inputs.shape[num_batch_dims:]))
+
+    pads = canonicalize_padding(padding, ndim)
+    if pads in ("CIRCULAR", "REFLECT"):
+        dilated = [(k - 1) * d + 1 for k, d in zip(window, kernel_dilation)]
+        extra = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
+        inputs = jnp.pad(inputs, extra, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[pads])
+        pads = "VALID"
+
+    if any(d != 1 for d in input_dilation):
+        if isinstance(pads, str):
+            # lax.conv_general_dilated (hence nn.Conv) refuses this too.
+            raise ValueError(
+                f"padding={padding!r} is a string, which is not defined with input_dilation={input_dilation}: "
+                "give the padding as (lo, hi) pairs, one per spatial dim (they apply to the dilated input)"
+            )
+        # lhs_dilation inserts d - 1 zeros between neighbours; inserting them explicitly
+        # gives the same products, and the padding then applies to the dilated input as in lax.
+        zero = jnp.zeros((), inputs.dtype)
+        inputs = lax.pad(inputs, zero, [(0, 0, 0), *((0, 0, d - 1) for d in input_dilation), (0, 0, 0)])
+
+    y = masked_conv(
+        inputs,
+        kernel,
+        mask,
+        strides=strides,
+        padding=pads,
+        dilation=kernel_dilation,
+        feature_group_count=feature_group_count,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+        implementation=implementation,
+    )
+    if num_batch_dims != 1:
+        y = jnp.reshape(y, (*batch_shape, *y.shape[1:]))
+    return y

@@ -1,0 +1,136 @@
+"""``MaskedConv``: ``flax.linen.Conv(mask=...)`` with the mask made exact.
+
+Same fields, same parameters (``kernel`` of shape ``(*kernel_size, C_in // groups,
+features)`` and ``bias`` of shape ``(features,)``, same initialisers), so checkpoints load
+into either module. The difference: ``nn.Conv`` computes ``conv(x, kernel * mask)``, which
+reads every tap and multiplies the masked ones by zero, so a NaN or Inf under a masked tap
+reaches the output (``0 * NaN = NaN``), and on GPUs a Winograd or FFT convolution mixes
+neighbouring windows. ``MaskedConv`` calls :func:`maskconv_kernels.masked_conv`, which
+never reads a masked tap.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
+from flax.linen.linear import PaddingLike, default_kernel_init
+from flax.typing import Dtype, Initializer, PrecisionLike
+
+from maskconv_kernels.flax import _conv
+
+__all__ = ["MaskedConv"]
+
+
+class MaskedConv(nn.Module):
+    """Exact masked convolution, a drop-in replacement for ``flax.linen.Conv(mask=...)``.
+
+    Swap one line and keep the checkpoint::
+
+        >>> import flax.linen as nn
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> import maskconv_kernels as mk
+        >>> from maskconv_kernels.flax import MaskedConv
+        >>> mask = mk.pixelcnn_mask((3, 3), "A")            # window-shaped: one bit per tap
+        >>> layer = MaskedConv(features=4, kernel_size=(3, 3), mask=mask)
+        >>> x = jnp.ones((2, 8, 8, 1))
+        >>> variables = layer.init(jax.random.key(0), x)
+        >>> jax.tree_util.tree_map(jnp.shape, variables)
+        {'params': {'bias': (4,), 'kernel': (3, 3, 1, 4)}}
+        >>> full = np.broadcast_to(mask[..., None, None], (3, 3, 1, 4))  # nn.Conv takes this shape
+        >>> leaky = nn.Conv(features=4, kernel_size=(3, 3), mask=full)
+        >>> bool(jnp.allclose(layer.apply(variables, x), leaky.apply(variables, x)))
+        True
+        >>> x = x.at[:, 4, 4].set(jnp.nan)                # the pixel each centre must not see
+        >>> bool(jnp.isnan(layer.apply(variables, x)[0, 4, 4]).any())
+        False
+
+    Attributes:
+      features: number of output channels, ``C_out``.
+      kernel_size: the window, an int (1-D) or one int per spatial dim.
+      strides: int or one int per spatial dim.
+      padding: ``"SAME"``, ``"VALID"``, ``"CIRCULAR"``, ``"REFLECT"``, ``"CAUSAL"`` (1-D
+        only), an int, or one int or ``(lo, hi)`` pair per spatial dim; as in ``nn.Conv``.
+      input_dilation: int or one int per spatial dim; needs explicit (non-string) padding,
+        as in ``nn.Conv``.
+      kernel_dilation: int or one int per spatial dim.
+      feature_group_count: ``C_in`` and ``features`` are split into this many groups.
+      use_bias: add a ``(features,)`` bias.
+      mask: static 0/1 or bools, of shape ``kernel_size`` (one bit per tap, e.g. from
+        :func:`maskconv_kernels.pixelcnn_mask`) or the full kernel shape ``(*kernel_size,
+        C_in // feature_group_count, features)`` (what ``nn.Conv`` takes). A numpy or
+        concrete jax array, never a traced one; stored as a hashable
+        :class:`maskconv_kernels.Mask`. ``None`` makes every tap active.
+      dtype: the computation dtype (default: promoted from input and params).
+      param_dtype: the dtype of ``kernel`` and ``bias``.
+      precision: ``lax.Precision`` of the products (``"highest"``: no TF32 on GPUs).
+      kernel_init, bias_init: initialisers, the same defaults as ``nn.Conv``.
+      promote_dtype: ``(inputs, kernel, bias, dtype=...) -> (inputs, kernel, bias)``.
+      implementation: ``None`` (best backend for the platform) or one of
+        :data:`maskconv_kernels.IMPLEMENTATIONS`.
+
+    ``nn.Conv``'s deprecated ``conv_general_dilated`` and ``conv_general_dilated_cls``
+    fields are absent: the convolution is what this module replaces.
+    """
+
+    features: int
+    kernel_size: int | Sequence[int]
+    strides: None | int | Sequence[int] = 1
+    padding: PaddingLike = "SAME"
+    input_dilation: None | int | Sequence[int] = 1
+    kernel_dilation: None | int | Sequence[int] = 1
+    feature_group_count: int = 1
+    use_bias: bool = True
+    mask: Any = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = nn.initializers.zeros_init()
+    promote_dtype: Any = promote_dtype
+    implementation: str | None = None
+
+    def __post_init__(self):
+        # A linen module is a dataclass hashed and compared by its fields (clone, nn.jit,
+        # lifted transforms), so the mask is stored as a content-hashed Mask, not an array.
+        object.__setattr__(self, "mask", _conv.static_mask(self.mask, self.kernel_size))
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """Applies the masked convolution.
+
+        Args:
+          inputs: ``(*batch_dims, *spatial, C_in)``, channels-last; several batch dims are
+            flattened and restored, none is allowed (single example), as in ``nn.Conv``.
+
+        Returns:
+          ``(*batch_dims, *out_spatial, features)`` in the promoted dtype.
+        """
+        kernel_size = _conv.kernel_size_tuple(self.kernel_size)
+        in_features = jnp.shape(inputs)[-1]
+        if in_features % self.feature_group_count:
+            raise ValueError(
+                f"feature_group_count={self.feature_group_count} must divide the input's {in_features} channels"
+            )
+        kernel_shape = (*kernel_size, in_features // self.feature_group_count, self.features)
+        kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        y = _conv.conv(
+            inputs,
+            kernel,
+            self.mask,
+            strides=self.strides,
+            padding=self.padding,
+            input_dilation=self.input_dilation,
+            kernel_dilation=self.kernel_dilation,
+            feature_group_count=self.feature_group_count,
+            precision=self.precision,
+            implementation=self.implementation,
+        )
+        if bias is not None:
+            y += bias.reshape((1,) * (y.ndim - 1) + bias.shape)
+        return y

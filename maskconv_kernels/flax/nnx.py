@@ -1,0 +1,150 @@
+"""``MaskedConv``: ``flax.nnx.Conv(mask=...)`` with the mask made exact.
+
+The same constructor and the same ``nnx.Param`` state (``kernel``, ``bias``) as
+``flax.nnx.Conv``, so ``nnx.state`` of one updates the other; the convolution is
+:func:`maskconv_kernels.masked_conv`, which never reads a masked tap.
+"""
+from __future__ import annotations
+
+import typing as tp
+from types import MappingProxyType
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.nnx.nn.linear import default_bias_init, default_kernel_init
+from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
+
+from maskconv_kernels.flax import _conv
+from maskconv_kernels.masks import as_mask
+
+__all__ = ["MaskedConv"]
+
+
+class MaskedConv(nnx.Module):
+    """Exact masked convolution, a drop-in replacement for ``flax.nnx.Conv(mask=...)``.
+
+    Example::
+
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> import maskconv_kernels as mk
+        >>> from maskconv_kernels.flax import nnx as mk_nnx
+        >>> layer = mk_nnx.MaskedConv(1, 4, (3, 3), mask=mk.pixelcnn_mask((3, 3), "A"), rngs=nnx.Rngs(0))
+        >>> layer.kernel.shape
+        (3, 3, 1, 4)
+        >>> x = jnp.ones((2, 8, 8, 1)).at[:, 4, 4].set(jnp.nan)
+        >>> bool(jnp.isnan(layer(x)[:, 4, 4]).any())
+        False
+
+    Args:
+      in_features: ``C_in``.
+      out_features: ``C_out``.
+      kernel_size: the window, an int (1-D) or one int per spatial dim.
+      strides, padding, input_dilation, kernel_dilation, feature_group_count, use_bias,
+      dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype,
+      preferred_element_type, rngs, kernel_metadata, bias_metadata: as in
+        ``flax.nnx.Conv``.
+      mask: static 0/1 or bools, of shape ``kernel_size`` (one bit per tap) or the full
+        kernel shape ``(*kernel_size, in_features // feature_group_count, out_features)``;
+        stored as a hashable :class:`maskconv_kernels.Mask` (static, not state).
+        ``None`` makes every tap active.
+      implementation: ``None`` (best backend for the platform) or one of
+        :data:`maskconv_kernels.IMPLEMENTATIONS`.
+
+    ``nnx.Conv``'s ``conv_general_dilated`` argument is absent: the convolution is what
+    this module replaces.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: int | tp.Sequence[int],
+        strides: None | int | tp.Sequence[int] = 1,
+        *,
+        padding: PaddingLike = "SAME",
+        input_dilation: None | int | tp.Sequence[int] = 1,
+        kernel_dilation: None | int | tp.Sequence[int] = 1,
+        feature_group_count: int = 1,
+        use_bias: bool = True,
+        mask: tp.Any = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        promote_dtype: tp.Callable = dtypes.promote_dtype,
+        preferred_element_type: Dtype | None = None,
+        implementation: str | None = None,
+        rngs: nnx.Rngs,
+        kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+        bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+    ):
+        kernel_size = _conv.kernel_size_tuple(kernel_size)
+        if in_features % feature_group_count:
+            raise ValueError(f"feature_group_count={feature_group_count} must divide in_features={in_features}")
+        kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
+        # Drawn in nnx.Conv's order (kernel, then bias) so the same Rngs give the same params.
+        self.kernel_shape = kernel_shape
+        self.kernel = nnx.Param(kernel_init(rngs.params(), kernel_shape, param_dtype), **kernel_metadata)
+        self.bias: nnx.Param | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel_size = kernel_size
+        self.strides = strides
+        self.padding = padding
+        self.input_dilation = input_dilation
+        self.kernel_dilation = kernel_dilation
+        self.feature_group_count = feature_group_count
+        self.use_bias = use_bias
+        # Static (not state), hashable, and checked against the kernel now: in_features is known.
+        mask = _conv.static_mask(mask, kernel_size)
+        self.mask = None if mask is None else as_mask(mask, kernel_shape)
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.promote_dtype = promote_dtype
+        self.preferred_element_type = preferred_element_type
+        self.implementation = implementation
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        """Applies the masked convolution.
+
+        Args:
+          inputs: ``(*batch_dims, *spatial, in_features)``; several batch dims are
+            flattened and restored, none is allowed (single example), as in ``nnx.Conv``.
+          out_sharding: only ``None``; explicit output sharding is not supported yet.
+
+        Returns:
+          ``(*batch_dims, *out_spatial, out_features)``.
+        """
+        if out_sharding is not None:
+            raise NotImplementedError(
+                "out_sharding is not supported by MaskedConv yet: call it without out_sharding and "
+                "constrain the result with jax.sharding.reshard"
+            )
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        y = _conv.conv(
+            inputs,
+            kernel,
+            self.mask,
+            strides=self.strides,
+            padding=self.padding,
+            input_dilation=self.input_dilation,
+            kernel_dilation=self.kernel_dilation,
+            feature_group_count=self.feature_group_count,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            implementation=self.implementation,
+        )
+        if bias is not None:
+            y += bias.reshape((1,) * (y.ndim - 1) + bias.shape)
+        return y

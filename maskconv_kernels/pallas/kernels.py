@@ -1,0 +1,417 @@
+"""The three Pallas (Triton) kernels: forward, input gradient and weight gradient.
+
+Every kernel is an implicit GEMM over the mask's active taps only: the forward and
+input-gradient kernels loop over them in a *static* Python loop (a masked tap has no
+code, so nothing can read it), and the weight-gradient grid has one row per active tap.
+The kernels work on a 2-D problem; 1-D convolutions are 2-D ones of height 1.
+
+Layouts (channels-last, as the public API):
+
+* ``x: [N, H, W, C_in]``, ``dy: [N, OH, OW, C_out]`` read with gathers whose indices
+  are clamped into range and whose lanes outside the image, padding or channel count
+  are masked off (``other=0``), so C=1, 3 or 130 needs no padded copy of ``x``;
+* ``kernel: [KH, KW, C_in_pad, C_out_pad]`` zero-padded to whole channel tiles (small);
+* outputs are written as whole tiles into arrays padded to whole tiles, then sliced.
+
+Every index is kept per dimension (``n``, row, column, channel), each below 2^31; the
+Triton lowering multiplies them by the strides in 64-bit arithmetic when an array
+exceeds 2^32 bytes, so flattened offsets do not overflow.
+
+Channel-partial taps (full-shaped masks) are split into pieces ``(tap, input set,
+output set)`` in which every product is of an active entry: the kernel block is
+``where``-selected to the piece's entries, the input load is masked to the piece's input
+set (``other=0`` selects, it never multiplies) and the products are kept only in its
+output set with a ``where``, so an input reachable only through masked entries (even inf
+or NaN) never reaches an output and gets an exactly zero gradient. Channel sets are
+static runs ``(start, stop)``, compared against iotas in the kernel: the kernels close
+over no array constants (``custom_partitioning`` in :mod:`maskconv_kernels.sharding`
+requires that).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .config import BlockSizes, reduce_splits
+
+__all__ = ["Geometry", "Piece", "forward", "input_grad", "weight_grad"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One active tap, or one channel group of a channel-partial tap.
+
+    ``in_runs`` / ``out_runs``: the channels the piece reads / writes, as ``(start, stop)``
+    runs (``None``: all channels).
+    """
+
+    tap: tuple[int, int]
+    in_runs: tuple[tuple[int, int], ...] | None = None
+    out_runs: tuple[tuple[int, int], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The static 2-D problem every kernel is specialised on (hashable, for jit caches)."""
+
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    window: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    pad_lo: tuple[int, int]
+    c_in: int
+    c_out: int
+    pieces: tuple[Piece, ...]
+    taps: tuple[tuple[int, int], ...]  # distinct active taps, raster order
+    highest: bool  # IEEE float32 products (precision=HIGHEST) instead of TF32
+    blocks: BlockSizes
+
+    @property
+    def c_in_pad(self) -> int:
+        return _round_up(self.c_in, self.blocks.block_c_in)
+
+    @property
+    def c_out_pad(self) -> int:
+        return _round_up(self.c_out, self.blocks.block_c_out)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _cdiv(n: int, m: int) -> int:
+    return -(-n // m)
+
+
+def _full_block(shape):
+    """A BlockSpec holding the whole array: the kernel gathers from it itself."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _compiler_params(blocks: BlockSizes):
+    # Explicitly Triton: since jax 0.9 a GPU pallas_call without compiler params lowers
+    # through Mosaic GPU, whose programming model these kernels do not use.
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def _dot(a, b, g: Geometry, *, trans_a=False, trans_b=False):
+    # DEFAULT precision is TF32 for float32 on NVIDIA GPUs; HIGHEST asks for IEEE products.
+    precision = lax.Precision.HIGHEST if g.highest else None
+    return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def _member(idx, runs):
+    """Bools: ``idx`` lies in one of the static ``(start, stop)`` runs."""
+    hit = None
+    for start, stop in runs:
+        h = (idx >= start) & (idx < stop)
+        hit = h if hit is None else hit | h
+    return hit
+
+
+def _piece_kernel_block(kb, piece: Piece, ci, co):
+    """The kernel block restricted to the piece's active entries (a select, never a product)."""
+    if piece.in_runs is None and piece.out_runs is None:
+        return kb
+    keep = jnp.ones(kb.shape, jnp.bool_)
+    if piece.in_runs is not None:
+        keep &= _member(ci, piece.in_runs)[:, None]
+    if piece.out_runs is not None:
+        keep &= _member(co, piece.out_runs)[None, :]
+    return jnp.where(keep, kb, jnp.zeros((), kb.dtype))
+
+
+def _loop(trips: int, body, acc):
+    """``fori_loop`` over a static trip count, inlined when there is one trip (small channel counts)."""
+    if trips == 1:
+        return body(jnp.int32(0), acc)
+    return lax.fori_loop(0, trips, body, acc)
+
+
+def _in_range(idx, size):
+    return (idx >= 0) & (idx < size)
+
+
+def _clamp(idx, size):
+    return jnp.clip(idx, 0, size - 1)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
+    """One ``[block_pixels, block_c_out]`` tile of ``y = sum_active_taps x_tap @ k_tap``.
+
+    x_ref: [N, H, W, C_in]; k_ref: [KH, KW, C_in_pad, C_out_pad];
+    y_ref: [block_pixels, block_c_out] (one tile of [N, OH*OW padded, C_out_pad]).
+    """
+    b = g.blocks
+    bp, bci, bco = b.block_pixels, b.block_c_in, b.block_c_out
+    (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
+    n = pl.program_id(0)
+    p = pl.program_id(1) * bp + jnp.arange(bp, dtype=jnp.int32)
+    co0 = pl.program_id(2) * bco
+    co = co0 + jnp.arange(bco, dtype=jnp.int32)
+    p_ok = p < oh_size * ow_size
+    oh, ow = lax.div(p, ow_size), lax.rem(p, ow_size)
+    acc = jnp.zeros((bp, bco), jnp.float32)
+    for piece in g.pieces:  # static: masked taps have no code at all
+        th, tw = piece.tap
+        ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
+        iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
+        ok = (p_ok & _in_range(ih, h) & _in_range(iw, w))[:, None]
+        rows = jnp.broadcast_to(_clamp(ih, h)[:, None], (bp, bci))
+        cols = jnp.broadcast_to(_clamp(iw, w)[:, None], (bp, bci))
+
+        def body(j, acc, th=th, tw=tw, piece=piece, ok=ok, rows=rows, cols=cols):
+            ci0 = j * bci
+            ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
+            ci_ok = ci < g.c_in
+            if piece.in_runs is not None:
+                ci_ok &= _member(ci, piece.in_runs)
+            chans = jnp.broadcast_to(_clamp(ci, g.c_in)[None, :], (bp, bci))
+            xb = plgpu.load(x_ref.at[n, rows, cols, chans], mask=ok & ci_ok[None, :], other=0.0)
+            kb = _piece_kernel_block(k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)], piece, ci, co)
+            prod = _dot(xb, kb, g)
+            if piece.out_runs is not None:
+                prod = jnp.where(_member(co, piece.out_runs)[None, :], prod, 0.0)
+            return acc + prod
+
+        acc = _loop(g.c_in_pad // bci, body, acc)
+    y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def forward(x, k_pad, g: Geometry, out_dtype, interpret: bool):
+    """``y: [N, OH, OW, C_out]`` from ``x: [N, H, W, C_in]``, accumulated in float32."""
+    b = g.blocks
+    batch = x.shape[0]
+    pixels = g.out_hw[0] * g.out_hw[1]
+    grid = (batch, _cdiv(pixels, b.block_pixels), g.c_out_pad // b.block_c_out)
+    y = _pallas_call(
+        functools.partial(_forward_kernel, g=g),
+        name="maskconv_fwd",
+        grid=grid,
+        in_specs=[_full_block(x.shape), _full_block(k_pad.shape)],
+        out_specs=pl.BlockSpec((pl.Squeezed(), b.block_pixels, b.block_c_out), lambda n, i, j: (n, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, grid[1] * b.block_pixels, g.c_out_pad), out_dtype),
+        blocks=b,
+        interpret=interpret,
+    )(x, k_pad)
+    return y[:, :pixels, : g.c_out].reshape(batch, *g.out_hw, g.c_out)
+
+
+# --------------------------------------------------------------------------- input gradient
+
+
+def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
+    """One ``[block_pixels, block_c_in]`` tile of ``dx``: the transposed problem.
+
+    Input pixel ``i`` receives from output ``o`` through tap ``t`` when
+    ``o * stride - pad_lo + t * dilation == i``: per tap, ``o = (i + pad_lo - t * dilation) / stride``
+    where that division is exact and ``o`` is in range. Taps are the active ones only,
+    so an input reachable only through masked taps is never accumulated into (exact 0).
+
+    dy_ref: [N, OH, OW, C_out]; k_ref: [KH, KW, C_in_pad, C_out_pad];
+    dx_ref: [block_pixels, block_c_in] (one tile of [N, H*W padded, C_in_pad]).
+    """
+    b = g.blocks
+    bp, bci, bco = b.block_pixels, b.block_c_in, b.block_c_out
+    (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
+    n = pl.program_id(0)
+    i = pl.program_id(1) * bp + jnp.arange(bp, dtype=jnp.int32)
+    ci0 = pl.program_id(2) * bci
+    ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
+    i_ok = i < h * w
+    ih, iw = lax.div(i, w), lax.rem(i, w)
+    acc = jnp.zeros((bp, bci), jnp.float32)
+    for piece in g.pieces:
+        th, tw = piece.tap
+        ok = i_ok
+        out_idx = []
+        for pos, lo, t, d, s, size in zip(
+            (ih, iw), g.pad_lo, (th, tw), g.dilation, g.strides, (oh_size, ow_size)
+        ):
+            num = pos + lo - t * d
+            ok &= num >= 0
+            num = jnp.maximum(num, 0)  # division and remainder on non-negative values only
+            if s > 1:
+                ok &= lax.rem(num, s) == 0
+                num = lax.div(num, s)
+            ok &= num < size
+            out_idx.append(jnp.broadcast_to(_clamp(num, size)[:, None], (bp, bco)))
+        rows, cols = out_idx
+        ok = ok[:, None]
+
+        def body(j, acc, th=th, tw=tw, piece=piece, ok=ok, rows=rows, cols=cols):
+            co0 = j * bco
+            co = co0 + jnp.arange(bco, dtype=jnp.int32)
+            co_ok = co < g.c_out
+            if piece.out_runs is not None:
+                co_ok &= _member(co, piece.out_runs)
+            chans = jnp.broadcast_to(_clamp(co, g.c_out)[None, :], (bp, bco))
+            dyb = plgpu.load(dy_ref.at[n, rows, cols, chans], mask=ok & co_ok[None, :], other=0.0)
+            kb = _piece_kernel_block(k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)], piece, ci, co)
+            prod = _dot(dyb, kb, g, trans_b=True)
+            if piece.in_runs is not None:
+                prod = jnp.where(_member(ci, piece.in_runs)[None, :], prod, 0.0)
+            return acc + prod
+
+        acc = _loop(g.c_out_pad // bco, body, acc)
+    dx_ref[...] = acc.astype(dx_ref.dtype)
+
+
+def input_grad(dy, k_pad, g: Geometry, dx_dtype, interpret: bool):
+    """``dx: [N, H, W, C_in]`` from ``dy: [N, OH, OW, C_out]``."""
+    b = g.blocks
+    batch = dy.shape[0]
+    pixels = g.in_hw[0] * g.in_hw[1]
+    grid = (batch, _cdiv(pixels, b.block_pixels), g.c_in_pad // b.block_c_in)
+    dx = _pallas_call(
+        functools.partial(_input_grad_kernel, g=g),
+        name="maskconv_bwd_input",
+        grid=grid,
+        in_specs=[_full_block(dy.shape), _full_block(k_pad.shape)],
+        out_specs=pl.BlockSpec((pl.Squeezed(), b.block_pixels, b.block_c_in), lambda n, i, j: (n, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, grid[1] * b.block_pixels, g.c_in_pad), dx_dtype),
+        blocks=b,
+        interpret=interpret,
+    )(dy, k_pad)
+    return dx[:, :pixels, : g.c_in].reshape(batch, *g.in_hw, g.c_in)
+
+
+# --------------------------------------------------------------------------- weight gradient
+
+
+def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips: int):
+    """One ``[block_c_in, block_c_out]`` tile of ``dk[tap] = sum_pixels x_tap^T @ dy``, partial.
+
+    The grid runs over (split, active tap, C_in tile, C_out tile): each program owns its
+    tile of one split's partial sum and loops over ``trips`` pixel blocks of the
+    ``N * OH * OW`` output pixels in a fixed order; the splits are added afterwards, in a
+    fixed order too. No atomics, so the result is the same run to run. Entries of
+    channel-partial taps outside the mask are selected to exact zeros.
+
+    x_ref: [N, H, W, C_in]; dy_ref: [N, OH, OW, C_out];
+    dk_ref: [block_c_in, block_c_out] (one tile of [splits, T, C_in_pad, C_out_pad]).
+    """
+    b = g.blocks
+    bq, bci, bco = b.block_pixels_reduce, b.block_c_in, b.block_c_out
+    (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
+    split, t = pl.program_id(0), pl.program_id(1)
+    # The tap of this program, from a static table unrolled into selects (no array constant).
+    th = tw = jnp.int32(0)
+    for idx, (i, j) in enumerate(g.taps):
+        th = jnp.where(t == idx, jnp.int32(i), th)
+        tw = jnp.where(t == idx, jnp.int32(j), tw)
+    ci = pl.program_id(2) * bci + jnp.arange(bci, dtype=jnp.int32)
+    co = pl.program_id(3) * bco + jnp.arange(bco, dtype=jnp.int32)
+    ci_ok, co_ok = ci < g.c_in, co < g.c_out
+    ci_c, co_c = _clamp(ci, g.c_in), _clamp(co, g.c_out)
+    pixels = oh_size * ow_size
+
+    def body(j, acc):
+        q = (split * trips + j) * bq + jnp.arange(bq, dtype=jnp.int32)
+        q_ok = q < batch * pixels
+        q = jnp.minimum(q, batch * pixels - 1)
+        n, p = lax.div(q, pixels), lax.rem(q, pixels)
+        oh, ow = lax.div(p, ow_size), lax.rem(p, ow_size)
+        ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
+        iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
+        x_ok = (q_ok & _in_range(ih, h) & _in_range(iw, w))[:, None] & ci_ok[None, :]
+        xb = plgpu.load(
+            x_ref.at[
+                jnp.broadcast_to(n[:, None], (bq, bci)),
+                jnp.broadcast_to(_clamp(ih, h)[:, None], (bq, bci)),
+                jnp.broadcast_to(_clamp(iw, w)[:, None], (bq, bci)),
+                jnp.broadcast_to(ci_c[None, :], (bq, bci)),
+            ],
+            mask=x_ok, other=0.0,
+        )
+        dyb = plgpu.load(
+            dy_ref.at[
+                jnp.broadcast_to(n[:, None], (bq, bco)),
+                jnp.broadcast_to(oh[:, None], (bq, bco)),
+                jnp.broadcast_to(ow[:, None], (bq, bco)),
+                jnp.broadcast_to(co_c[None, :], (bq, bco)),
+            ],
+            mask=q_ok[:, None] & co_ok[None, :], other=0.0,
+        )
+        return acc + _dot(xb, dyb, g, trans_a=True)
+
+    acc = _loop(trips, body, jnp.zeros((bci, bco), jnp.float32))
+    # Channel-partial taps: keep each piece's (input set x output set) entries only.
+    partial: dict[tuple[int, int], list[Piece]] = {}
+    for piece in g.pieces:
+        if piece.in_runs is not None or piece.out_runs is not None:
+            partial.setdefault(piece.tap, []).append(piece)
+    for tap, pieces in partial.items():
+        keep = None
+        for piece in pieces:
+            k = jnp.ones((bci, bco), jnp.bool_)
+            if piece.in_runs is not None:
+                k &= _member(ci, piece.in_runs)[:, None]
+            if piece.out_runs is not None:
+                k &= _member(co, piece.out_runs)[None, :]
+            keep = k if keep is None else keep | k
+        acc = jnp.where((t != g.taps.index(tap)) | keep, acc, 0.0)
+    dk_ref[...] = acc.astype(dk_ref.dtype)
+
+
+def weight_grad(x, dy, g: Geometry, dk_dtype, interpret: bool):
+    """``dk: [T, C_in, C_out]`` for the active taps ``g.taps`` only."""
+    b = g.blocks
+    batch = x.shape[0]
+    tiles = (g.c_in_pad // b.block_c_in, g.c_out_pad // b.block_c_out)
+    reduce_blocks = _cdiv(batch * g.out_hw[0] * g.out_hw[1], b.block_pixels_reduce)
+    splits = reduce_splits(len(g.taps) * tiles[0] * tiles[1], reduce_blocks)
+    trips = _cdiv(reduce_blocks, splits)
+    # One split: the kernel writes dk in its dtype. Several: float32 partial sums.
+    part_dtype = dk_dtype if splits == 1 else jnp.float32
+    dk = _pallas_call(
+        functools.partial(_weight_grad_kernel, g=g, batch=batch, trips=trips),
+        name="maskconv_bwd_weight",
+        grid=(splits, len(g.taps), *tiles),
+        in_specs=[_full_block(x.shape), _full_block(dy.shape)],
+        out_specs=pl.BlockSpec(
+            (pl.Squeezed(), pl.Squeezed(), b.block_c_in, b.block_c_out), lambda s, t, i, j: (s, t, i, j)
+        ),
+        out_shape=jax.ShapeDtypeStruct((splits, len(g.taps), g.c_in_pad, g.c_out_pad), part_dtype),
+        blocks=b,
+        interpret=interpret,
+    )(x, dy)
+    total = dk[0]
+    for s in range(1, splits):  # elementwise adds in a fixed order: deterministic, unlike atomics
+        total = total + dk[s]
+    return total.astype(dk_dtype)[:, : g.c_in, : g.c_out]
+
+
+# --------------------------------------------------------------------------- pallas_call
+
+
+def _pallas_call(kernel, *, name, blocks, interpret, **kwargs):
+    call = pl.pallas_call(
+        kernel, name=name, compiler_params=_compiler_params(blocks), interpret=interpret, **kwargs
+    )
+
+    def run(*args):
+        # jax >= 0.11 deprecates the Pallas Triton backend ("jax-pallas-triton") in favour of
+        # Mosaic GPU or the official Triton bindings; the official-Triton backend of this
+        # package is issue 7. Until then this is the backend we mean to use, so the warning
+        # is silenced here, for these calls only. It is raised when a call is lowered: this
+        # covers eager calls; under an enclosing jit it is raised when that jit is lowered
+        # and is attributed to jax's own module, where Python's default filters hide it.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
+            )
+            return call(*args)
+
+    return run

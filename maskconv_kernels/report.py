@@ -1,0 +1,195 @@
+"""The leak report: ``python -m maskconv_kernels``.
+
+Runs, on the local default device, the experiments of the original report (JAX issue
+"Gradient leakage through masked convolutions") and a NaN-isolation test, for the usual
+``lax.conv_general_dilated(x, kernel * mask)`` and for :func:`masked_conv` side by side,
+then a small timing table. Every figure is measured in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .api import implementation_for, masked_conv
+from .masks import pixelcnn_mask
+from .reference import leaky_masked_conv
+from .spec import make_spec
+
+LAST_ROW_MASKED = np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
+
+
+def _convs(implementation):
+    return {
+        "lax.conv(kernel*mask)": leaky_masked_conv,
+        "masked_conv": lambda x, k, m, **kw: masked_conv(x, k, m, implementation=implementation, **kw),
+    }
+
+
+def gradient_leak(conv, channels: int = 128) -> float:
+    """Seed experiment 1: max |d out[2, 2] / d x| over rows 3-4, reachable only through masked taps."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, 5, 5, channels))
+    k = jax.random.normal(jax.random.PRNGKey(2), (3, 3, channels, channels)) / np.sqrt(9 * channels)
+    g = jax.jit(jax.grad(lambda x: conv(x, k, LAST_ROW_MASKED)[:, 2, 2, :].sum()))(x)
+    return float(jnp.abs(g[:, 3:]).max())
+
+
+def zeros_over_ones(conv, channels: int = 128) -> float:
+    """Seed experiment 2: rows 0-2 zeros, rows 3-4 ones; max |out| on row 2 (exactly 0 if exact)."""
+    x = jnp.concatenate([jnp.zeros((1, 3, 5, channels)), jnp.ones((1, 2, 5, channels))], axis=1)
+    k = jax.random.normal(jax.random.PRNGKey(2), (3, 3, channels, channels)) / np.sqrt(9 * channels)
+    return float(jnp.abs(jax.jit(lambda x: conv(x, k, LAST_ROW_MASKED))(x)[:, 2]).max())
+
+
+def nan_isolation(conv, channels: int = 16) -> int:
+    """inf on rows 3-4: number of non-finite outputs on rows 0-2 (which reach them only through masked taps)."""
+    x = jax.random.normal(jax.random.PRNGKey(3), (1, 5, 5, channels)).at[:, 3:].set(jnp.inf)
+    k = jax.random.normal(jax.random.PRNGKey(4), (3, 3, channels, channels)) / np.sqrt(9 * channels)
+    y = jax.jit(lambda x: conv(x, k, LAST_ROW_MASKED))(x)
+    return int((~jnp.isfinite(y[:, :3])).sum())
+
+
+def stack_leak(conv, layers: int = 6, size: int = 9, channels: int = 32) -> float:
+    """PixelCNN stack (7x7 A, then 3x3 B): max |grad| of the centre output at and after the centre."""
+    masks = [pixelcnn_mask((7, 7), "A")] + [pixelcnn_mask((3, 3), "B")] * (layers - 1)
+    keys = jax.random.split(jax.random.PRNGKey(5), layers)
+    kernels = [
+        jax.random.normal(key, (*m.shape, 3 if i == 0 else channels, channels)) / np.sqrt(m.sum() * channels)
+        for i, (key, m) in enumerate(zip(keys, masks))
+    ]
+
+    def net(x):
+        for m, k in zip(masks, kernels):
+            x = jnp.tanh(conv(x, k, m))
+        return x[0, size // 2, size // 2].sum()
+
+    x = jax.random.normal(jax.random.PRNGKey(6), (1, size, size, 3))
+    g = jax.jit(jax.grad(net))(x)[0]
+    raster = np.arange(size * size).reshape(size, size)
+    future = raster >= raster[size // 2, size // 2]
+    return float(jnp.abs(g[future]).max())
+
+
+TIMING_SHAPES = (
+    # name, window, mask type, channels
+    ("PixelCNN 7x7 type A", (7, 7), "A", 64),
+    ("PixelCNN 5x5 type B", (5, 5), "B", 64),
+    ("PixelCNN 3x3 type B", (3, 3), "B", 128),
+)
+
+
+def _median_ms(fn, args, repeats):
+    jax.block_until_ready(fn(*args))  # compile and warm up outside the timed region
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def timings(implementation, batch: int, size: int, repeats: int):
+    rows = []
+    for name, window, mask_type, c in TIMING_SHAPES:
+        x = jax.random.normal(jax.random.PRNGKey(0), (batch, size, size, c))
+        k = jax.random.normal(jax.random.PRNGKey(1), (*window, c, c)) * 0.05
+        m = pixelcnn_mask(window, mask_type)
+        row = {"shape": f"{name}, N={batch}, {size}x{size}, C={c}"}
+        for label, conv in _convs(implementation).items():
+            fwd = jax.jit(lambda x, k, conv=conv: conv(x, k, m))
+            both = jax.jit(jax.grad(lambda x, k, conv=conv: (conv(x, k, m) ** 2).sum(), (0, 1)))
+            row[label] = (_median_ms(fwd, (x, k), repeats), _median_ms(both, (x, k), repeats))
+        rows.append(row)
+    return rows
+
+
+def run(quick: bool = False) -> dict:
+    backend = jax.default_backend()
+    devices = jax.devices()
+    x = jnp.zeros((1, 32, 32, 64))
+    impl = implementation_for(make_spec(x, jnp.zeros((3, 3, 64, 64)), pixelcnn_mask((3, 3), "B")))
+    result = {
+        "device": f"{_device_name(devices[0])} ({backend}, {len(devices)} device(s))",
+        "jax": jax.__version__,
+        "python": platform.python_version(),
+        "implementation": impl,
+        "exactness": {},
+    }
+    for label, conv in _convs(impl).items():
+        result["exactness"][label] = {
+            "gradient leak (seed 1)": gradient_leak(conv),
+            "zeros-over-ones output (seed 2)": zeros_over_ones(conv),
+            "non-finite outputs, inf in the future": nan_isolation(conv),
+            "6-layer stack gradient leak": stack_leak(conv),
+        }
+    batch, size, repeats = (2, 16, 3) if quick else (16, 32, 7)
+    result["timings"] = timings(impl, batch, size, repeats)
+    return result
+
+
+def _device_name(device) -> str:
+    if device.platform != "cpu":
+        return device.device_kind
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def format_report(result: dict) -> str:
+    labels = list(result["exactness"])
+    lines = [
+        "maskconv-kernels leak report",
+        f"device: {result['device']}  jax {result['jax']}  python {result['python']}",
+        f"masked_conv implementation: {result['implementation']}",
+        "",
+        "Exactness (0 is exact; each measured here):",
+        "",
+        f"| check | {' | '.join(labels)} |",
+        f"|---|{'---:|' * len(labels)}",
+    ]
+    for check in result["exactness"][labels[0]]:
+        cells = [_fmt(result["exactness"][label][check]) for label in labels]
+        lines.append(f"| {check} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "Timing (median ms; speed-up = lax.conv time / masked_conv time; forward, then forward+backward):",
+        "",
+        "| shape | lax fwd | ours fwd | speed-up | lax fwd+bwd | ours fwd+bwd | speed-up |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["timings"]:
+        (lf, lb), (of, ob) = row[labels[0]], row[labels[1]]
+        lines.append(f"| {row['shape']} | {lf:.2f} | {of:.2f} | {lf / of:.2f}x | {lb:.2f} | {ob:.2f} | {lb / ob:.2f}x |")
+    return "\n".join(lines)
+
+
+def _fmt(v):
+    return str(v) if isinstance(v, int) else f"{v:.3g}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m maskconv_kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small timing shapes (seconds, for smoke tests)")
+    parser.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    print(format_report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

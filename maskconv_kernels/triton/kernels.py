@@ -1,0 +1,173 @@
+"""The Triton kernels: forward, input gradient and weight gradient of a 2-D masked conv.
+
+Every kernel is an implicit GEMM whose reduction runs over the *active* taps only:
+``TAPS`` is a ``tl.constexpr`` tuple of ``(kh, kw, flat_tap)`` triples and the tap loop
+is a ``tl.static_range``, so a masked tap has no load, no product and no code at all.
+Borders, padding, strides and channel counts that are not block multiples are handled
+by masked loads (``other=0``) of *active* taps only; nothing is ever multiplied by a
+zeroed weight. Index arithmetic is int64 from the first program id on, so tensors beyond
+2^31 elements address correctly. Accumulation is float32 in every kernel.
+
+Layouts (channels-last, contiguous; 1-D problems arrive as ``H = KH = 1``):
+``x: [N, H, W, C_IN]``, ``w: [KH, KW, C_IN, C_OUT]``, ``y / dy: [N, OH, OW, C_OUT]``.
+Output tap ``(kh, kw)`` of output pixel ``(oh, ow)`` reads input pixel
+``(oh * SH - PH + kh * DH, ow * SW - PW + kw * DW)``.
+
+This module imports ``triton``; only :mod:`maskconv_kernels.triton.ops` imports it, and
+only when a Triton kernel is launched or compiled.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["conv_fwd_kernel", "conv_dx_kernel", "conv_dw_kernel"]
+
+
+@triton.jit
+def conv_fwd_kernel(
+    x_ptr,  # [N, H, W, C_IN]
+    w_ptr,  # [KH, KW, C_IN, C_OUT]
+    y_ptr,  # [N, OH, OW, C_OUT]
+    N: tl.constexpr, H: tl.constexpr, W: tl.constexpr, C_IN: tl.constexpr,
+    OH: tl.constexpr, OW: tl.constexpr, C_OUT: tl.constexpr,
+    SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr,
+    TAPS: tl.constexpr,  # ((kh, kw, kh * KW + kw), ...) active taps only
+    PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee", "tf32" or "tf32x3"
+    BLOCK_M: tl.constexpr,  # output pixels per program
+    BLOCK_N: tl.constexpr,  # output channels per program
+    BLOCK_K: tl.constexpr,  # input channels per dot
+):
+    """``y[m, co] = sum_{active taps} sum_ci x[pixel(m, tap), ci] * w[tap, ci, co]``; grid (M tiles, C_OUT tiles)."""
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    co = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < N * OH * OW
+    co_ok = co < C_OUT
+    ow = m % OW
+    oh = (m // OW) % OH
+    n = m // (OW * OH)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in tl.static_range(len(TAPS)):
+        ih = oh * SH - PH + TAPS[t][0] * DH
+        iw = ow * SW - PW + TAPS[t][1] * DW
+        ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        x_row = ((n * H + ih) * W + iw) * C_IN
+        w_tap = w_ptr + TAPS[t][2] * C_IN * C_OUT
+        for k0 in range(0, C_IN, BLOCK_K):
+            ci = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            ci_ok = ci < C_IN
+            a = tl.load(x_ptr + x_row[:, None] + ci[None, :], mask=ok[:, None] & ci_ok[None, :], other=0.0)
+            b = tl.load(w_tap + ci[:, None] * C_OUT + co[None, :], mask=ci_ok[:, None] & co_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    out = y_ptr + m[:, None] * C_OUT + co[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & co_ok[None, :])
+
+
+@triton.jit
+def conv_dx_kernel(
+    dy_ptr,  # [N, OH, OW, C_OUT]
+    w_ptr,  # [KH, KW, C_IN, C_OUT]
+    dx_ptr,  # [N, H, W, C_IN]
+    N: tl.constexpr, H: tl.constexpr, W: tl.constexpr, C_IN: tl.constexpr,
+    OH: tl.constexpr, OW: tl.constexpr, C_OUT: tl.constexpr,
+    SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr,
+    TAPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # input pixels per program
+    BLOCK_N: tl.constexpr,  # input channels per program
+    BLOCK_K: tl.constexpr,  # output channels per dot
+):
+    """The transposed problem: ``dx[p, ci] = sum_{active taps} sum_co dy[out(p, tap), co] * w[tap, ci, co]``.
+
+    Input pixel ``(ih, iw)`` receives from tap ``(kh, kw)`` the output pixel with
+    ``oh * SH = ih + PH - kh * DH`` when that is a non-negative multiple of ``SH`` below
+    ``OH * SH`` (likewise for w): the flipped tap, with strides and dilation. An input
+    reachable only through masked taps matches no active tap and keeps its exact zero.
+    Grid (input pixel tiles, C_IN tiles).
+    """
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ci = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < N * H * W
+    ci_ok = ci < C_IN
+    iw = m % W
+    ih = (m // W) % H
+    n = m // (W * H)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in tl.static_range(len(TAPS)):
+        th = ih + PH - TAPS[t][0] * DH
+        tw = iw + PW - TAPS[t][1] * DW
+        # Guard the sign before dividing: integer division truncates toward zero.
+        th = tl.where(th >= 0, th, -SH)
+        tw = tl.where(tw >= 0, tw, -SW)
+        oh = th // SH
+        ow = tw // SW
+        ok = m_ok & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW) & (oh * SH == th) & (ow * SW == tw)
+        dy_row = ((n * OH + oh) * OW + ow) * C_OUT
+        w_tap = w_ptr + TAPS[t][2] * C_IN * C_OUT
+        for k0 in range(0, C_OUT, BLOCK_K):
+            co = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
+            co_ok = co < C_OUT
+            a = tl.load(dy_ptr + dy_row[:, None] + co[None, :], mask=ok[:, None] & co_ok[None, :], other=0.0)
+            # w[tap] read as its transpose [C_OUT block, C_IN block].
+            b = tl.load(w_tap + ci[None, :] * C_OUT + co[:, None], mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
+            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+    out = dx_ptr + m[:, None] * C_IN + ci[None, :]
+    tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & ci_ok[None, :])
+
+
+@triton.jit
+def conv_dw_kernel(
+    x_ptr,  # [N, H, W, C_IN]
+    dy_ptr,  # [N, OH, OW, C_OUT]
+    dw_ptr,  # [SPLIT, len(TAPS), C_IN, C_OUT] float32 partial sums
+    N: tl.constexpr, H: tl.constexpr, W: tl.constexpr, C_IN: tl.constexpr,
+    OH: tl.constexpr, OW: tl.constexpr, C_OUT: tl.constexpr,
+    SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+    PH: tl.constexpr, PW: tl.constexpr,
+    TAPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # input channels per program
+    BLOCK_N: tl.constexpr,  # output channels per program
+    BLOCK_K: tl.constexpr,  # output pixels per dot
+    CHUNK: tl.constexpr,  # output pixels per split, a multiple of BLOCK_K
+):
+    """``dw[s, j, ci, co] = sum_{pixels m in split s} x[pixel(m, tap j), ci] * dy[m, co]``.
+
+    Grid (C_IN tiles * C_OUT tiles, active taps, splits). Every partial sum is owned by
+    one program and reduced in a fixed order, and the splits are added in a fixed order
+    by the caller: no atomics, the same bits run to run. Masked taps have no program.
+    """
+    n_co_tiles: tl.constexpr = (C_OUT + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    j = tl.program_id(1)
+    s = tl.program_id(2).to(tl.int64)
+    ci = (pid // n_co_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    co = (pid % n_co_tiles).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ci_ok = ci < C_IN
+    co_ok = co < C_OUT
+    # The tap of this program, selected from the static list (len(TAPS) scalar selects).
+    kh = j * 0
+    kw = j * 0
+    for t in tl.static_range(len(TAPS)):
+        kh = tl.where(j == t, TAPS[t][0], kh)
+        kw = tl.where(j == t, TAPS[t][1], kw)
+    start = s * CHUNK
+    stop = tl.minimum(start + CHUNK, N * OH * OW)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for p0 in range(0, CHUNK, BLOCK_K):
+        m = start + p0 + tl.arange(0, BLOCK_K)
+        ow = m % OW
+        oh = (m // OW) % OH
+        n = m // (OW * OH)
+        ih = oh * SH - PH + kh * DH
+        iw = ow * SW - PW + kw * DW
+        m_ok = m < stop
+        ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        x_row = ((n * H + ih) * W + iw) * C_IN
+        a = tl.load(x_ptr + ci[:, None] + x_row[None, :], mask=ci_ok[:, None] & ok[None, :], other=0.0)
+        b = tl.load(dy_ptr + m[:, None] * C_OUT + co[None, :], mask=m_ok[:, None] & co_ok[None, :], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+    out = dw_ptr + ((s * len(TAPS) + j) * C_IN + ci[:, None]) * C_OUT + co[None, :]
+    tl.store(out, acc, mask=ci_ok[:, None] & co_ok[None, :])

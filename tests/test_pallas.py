@@ -1,0 +1,195 @@
+"""The Pallas backend's own tests: GPU lowering on CPU, its limits, its config, channel tiles.
+
+The shared suites (agreement, exactness, transforms) already run the kernels through the
+``pallas_interpret`` backend of ``conftest.py``; these cover what they cannot.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close, random
+
+import maskconv_kernels as mk
+from maskconv_kernels import masked_conv_reference, pallas
+from maskconv_kernels.api import implementation_for
+from maskconv_kernels.pallas import BlockSizes
+from maskconv_kernels.reference import masked_conv_reference_vjp
+from maskconv_kernels.spec import make_spec
+
+KERNEL_NAMES = ("maskconv_fwd", "maskconv_bwd_input", "maskconv_bwd_weight")
+
+
+def _lower_for_cuda(f, *args) -> str:
+    """StableHLO text of ``jax.jit(f)`` lowered for an NVIDIA GPU, on a machine without one.
+
+    jax >= 0.12 asks the Triton lowering for the target GPU's compute capability; without
+    a GPU that comes from an abstract device in an abstract mesh (an H200, what CI's GPU
+    check runs on). Older versions need no device to lower.
+    """
+    traced = lambda: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with warnings.catch_warnings():
+        # The Pallas Triton backend's deprecation (jax >= 0.11), raised as it lowers: the
+        # backend is used on purpose until the official-Triton backend (issue 7).
+        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+        if not hasattr(jax.sharding, "AbstractDevice"):
+            return traced()
+        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+            return traced()
+
+
+LOWERING_CASES = {
+    "2d_N2_H16_W16_C64_k7A_bf16": ((2, 16, 16, 64), (7, 7, 64, 64), mk.pixelcnn_mask((7, 7), "A"), {}, jnp.bfloat16),
+    "2d_N1_H9_W10_C3_k3B_s2_d2_f32": ((1, 9, 10, 3), (3, 3, 3, 5), mk.pixelcnn_mask((3, 3), "B"),
+                                     dict(strides=2, dilation=2, precision="highest"), jnp.float32),
+    "2d_N1_H7_W7_C6_k3_rgbA_full": ((1, 7, 7, 6), (3, 3, 6, 6), mk.channel_grouped_mask((3, 3), 6, 6, "A"), {},
+                                    jnp.float32),
+    "1d_N2_L33_C130_k3_CAUSAL_d2_f16": ((2, 33, 130), (3, 130, 130), np.ones(3), dict(padding="CAUSAL", dilation=2),
+                                        jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_value_and_grad_lowers_for_cuda_to_three_kernels_and_no_convolution(name):
+    x_shape, k_shape, mask, kw, dtype = LOWERING_CASES[name]
+    x = jnp.zeros(x_shape, dtype)
+    k = jnp.zeros(k_shape, dtype)
+    spec = make_spec(x, k, mask, **kw)
+
+    def loss(x, k):
+        return pallas.masked_conv(x, k, spec, platform="gpu").astype(jnp.float32).sum()
+
+    text = _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
+    calls = re.findall(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(", text)
+    assert len(calls) >= 3, f"expected the three Pallas kernels as Triton calls, found {len(calls)}"
+    for kernel in KERNEL_NAMES:
+        assert kernel in text, f"kernel {kernel} missing from the lowered module"
+    assert "stablehlo.convolution" not in text
+
+
+def test_highest_precision_reaches_the_kernel_dots():
+    x, k = random(0, (1, 5, 6, 3)), random(1, (3, 3, 3, 4))
+    mask = mk.pixelcnn_mask((3, 3), "B")
+    jaxpr = lambda precision: str(
+        jax.make_jaxpr(lambda x, k: pallas.masked_conv(x, k, make_spec(x, k, mask, precision=precision),
+                                                       interpret=True))(x, k)
+    )
+    assert "HIGHEST" in jaxpr("highest")
+    assert "HIGHEST" not in jaxpr(None)  # TF32 on GPUs: Triton's default for float32 dots
+
+
+_SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
+TILE_CASES = {
+    # 2 * 12 * 11 output pixels in blocks of 16 are 17 reduction blocks: the weight
+    # gradient splits them into two ranges, whose partial sums are added afterwards.
+    "2d_N2_H12_W11_C40_k3A_tiles16": ((2, 12, 11, 40), 37, mk.pixelcnn_mask((3, 3), "A"), {}, _SMALL_TILES),
+    "2d_N2_H12_W11_C40_k3A_s21_d12_explicit_tiles16": (
+        (2, 12, 11, 40), 37, mk.pixelcnn_mask((3, 3), "A"),
+        dict(strides=(2, 1), dilation=(1, 2), padding=((2, 0), (1, 3))), _SMALL_TILES,
+    ),
+    # C=130 with the default tiles: a remainder of 2 channels in the last tile.
+    "1d_N1_L11_C130_k3_CAUSAL_d2_default": ((1, 11, 130), 130, np.ones(3, bool), dict(padding="CAUSAL", dilation=2),
+                                            None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TILE_CASES))
+def test_several_channel_and_pixel_tiles(name):
+    """Channel counts over the tile size, with a remainder: the reduction loops take several trips."""
+    x_shape, c_out, mask, kw, blocks = TILE_CASES[name]
+    c_in = x_shape[-1]
+    x = random(2, x_shape)
+    k = random(3, (*mask.shape, c_in, c_out), scale=1 / np.sqrt(mask.size * c_in))
+    spec = make_spec(x, k, mask, **kw)
+    y, vjp = jax.vjp(lambda x, k: pallas.masked_conv(x, k, spec, interpret=True, block_sizes=blocks), x, k)
+    reduction = int(mask.sum()) * c_in
+    scale = float(jnp.abs(x).max() * jnp.abs(k).max())
+    assert_close(y, masked_conv_reference(x, k, mask, **kw), np.float32, reduction, scale)
+    dy = random(4, y.shape)
+    dx, dk = vjp(dy)
+    rdx, rdk = masked_conv_reference_vjp(x, k, mask, dy, **kw)
+    assert_close(dx, rdx, np.float32, int(mask.sum()) * c_out, float(jnp.abs(dy).max() * jnp.abs(k).max()))
+    assert_close(dk, rdk, np.float32, int(np.prod(y.shape[:-1])), float(jnp.abs(dy).max() * jnp.abs(x).max()))
+    assert (np.asarray(dk)[~mask] == 0.0).all()
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize(
+    "x_shape,k_shape,kw,expected",
+    [
+        ((1, 4, 5, 5, 2), (3, 3, 3, 2, 2), {}, "3-D convolutions"),
+        ((1, 6, 6, 4), (3, 3, 2, 4), dict(feature_group_count=2), "feature_group_count=2"),
+    ],
+    ids=["3d", "groups2"],
+)
+def test_unsupported_problems_raise_naming_why_and_none_falls_back_to_xla(x_shape, k_shape, kw, expected):
+    x, k = jnp.ones(x_shape), jnp.ones(k_shape)
+    mask = np.ones(k_shape[:-2], bool)
+    with pytest.raises(NotImplementedError, match=re.escape(expected)):
+        mk.masked_conv(x, k, mask, implementation="pallas", interpret=True, **kw)
+    spec = make_spec(x, k, mask, **kw)
+    assert implementation_for(spec, interpret=True) == "xla"
+    assert implementation_for(spec, platform="gpu") == "xla"
+
+
+def test_needs_a_gpu_or_interpret_mode():
+    x, k, mask = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
+    spec = make_spec(x, k, mask)
+    assert "interpret=True" in pallas.unsupported(spec, "cpu", interpret=False)
+    assert pallas.unsupported(spec, "cpu", interpret=True) is None
+    assert pallas.unsupported(spec, "gpu", interpret=False) is None
+    # implementation=None: Pallas where it runs, xla elsewhere.
+    assert implementation_for(spec, platform="cpu") == "xla"
+    assert implementation_for(spec, platform="cpu", interpret=True) == "pallas"
+    if jax.default_backend() == "cpu":
+        with pytest.raises(NotImplementedError, match='platform "cpu"'):
+            mk.masked_conv(x, k, mask, implementation="pallas")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("block_pixels", 48, "power of two"),
+        ("block_c_in", 8, "from 16"),
+        ("block_c_out", 1024, "to 512"),
+        ("block_pixels_reduce", 64.0, "must be an int"),
+        ("num_warps", 3, "num_warps"),
+        ("num_stages", 0, "num_stages"),
+    ],
+)
+def test_block_sizes_are_validated(field, value, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        BlockSizes(**{field: value})
+
+
+def test_block_sizes_are_frozen_and_hashable():
+    blocks = BlockSizes()
+    with pytest.raises(AttributeError):
+        blocks.block_pixels = 32  # type: ignore[misc]
+    assert hash(blocks) == hash(BlockSizes())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("c", [1, 3, 130, 256])
+def test_default_block_sizes_fit_the_problem(c, dtype):
+    x, k = jnp.ones((1, 8, 8, c), dtype), jnp.ones((3, 3, c, c), dtype)
+    blocks = BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), dtype)
+    assert blocks == BlockSizes(**vars(blocks))  # a valid config
+    assert blocks.block_c_in <= max(16, 2 * c) and blocks.block_c_out <= max(16, 2 * c)
+
+
+def test_block_sizes_must_be_a_config():
+    x, k = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2))
+    spec = make_spec(x, k, np.ones((3, 3)))
+    with pytest.raises(TypeError, match="BlockSizes"):
+        pallas.masked_conv(x, k, spec, interpret=True, block_sizes={"block_pixels": 32})
