@@ -7,7 +7,7 @@ with a reason.
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib
 
 import jax
@@ -18,44 +18,49 @@ import maskconv_kernels as mk
 from maskconv_kernels import xla
 from maskconv_kernels.spec import make_spec
 
-_CONV_ARGS = ("strides", "padding", "dilation", "feature_group_count", "precision", "preferred_element_type")
+ON_GPU = jax.default_backend() == "gpu"
 
 
-def _xla_strategy(strategy, x, kernel, mask, **kw):
-    spec = make_spec(x, kernel, mask, **kw)
-    return xla.masked_conv(x, kernel, spec, strategy)
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """How the suite calls one backend: ``masked_conv``'s signature, without ``implementation``."""
 
+    implementation: str
+    interpret: bool = False
+    strategy: str | None = None  # xla only: force "conv" or "matmul"
 
-def _kernel_backend(implementation, interpret, x, kernel, mask, precision=None, **kw):
-    """A kernel backend; problems it does not support (3-D, groups) skip, naming the reason.
+    def unsupported(self, x, kernel, mask, **kw) -> str | None:
+        spec = make_spec(x, kernel, mask, **kw)
+        module = importlib.import_module(f"maskconv_kernels.{self.implementation}")
+        return module.unsupported(spec, jax.default_backend(), self.interpret)
 
-    Explicit ``implementation=`` raising ``NotImplementedError`` for them is tested in the
-    backend's own tests; here the shared cases would only repeat that.
-    """
-    kw["precision"] = precision
-    spec = make_spec(x, kernel, mask, **kw)
-    reason = importlib.import_module(f"maskconv_kernels.{implementation}").unsupported(
-        spec, jax.default_backend(), interpret
-    )
-    if reason is not None:
-        pytest.skip(f'implementation="{implementation}" does not support this case: {reason}')
-    return mk.masked_conv(x, kernel, mask, implementation=implementation, interpret=interpret, **kw)
+    def __call__(self, x, kernel, mask, **kw):
+        if ON_GPU and kw.get("precision") is None:
+            # Float32 dots on GPUs default to TF32 (10-bit mantissa), which the float32
+            # TOLERANCE does not cover: the suite asks for IEEE products. TF32 is what
+            # the benchmarks time.
+            kw["precision"] = "highest"
+        reason = self.unsupported(x, kernel, mask, **kw)
+        if reason is not None:
+            # Explicit implementation= raising NotImplementedError for these is tested in
+            # the backend's own tests; here the shared cases would only repeat that.
+            pytest.skip(f'implementation="{self.implementation}" does not support this case: {reason}')
+        if self.strategy is not None:
+            return xla.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), self.strategy)
+        return mk.masked_conv(x, kernel, mask, implementation=self.implementation, interpret=self.interpret, **kw)
 
 
 BACKENDS = {
-    "xla": functools.partial(mk.masked_conv, implementation="xla"),
+    "xla": Backend("xla"),
     # What the "xla" backend runs on GPUs and TPUs, tested here on the CPU.
-    "xla_matmul": functools.partial(_xla_strategy, "matmul"),
+    "xla_matmul": Backend("xla", strategy="matmul"),
     # The Pallas kernels, run by the Pallas interpreter: what CI checks on CPU.
-    "pallas_interpret": functools.partial(_kernel_backend, "pallas", True),
+    "pallas_interpret": Backend("pallas", interpret=True),
 }
-if jax.default_backend() == "gpu":
-    # Compiled for the GPU. Float32 dots there default to TF32 (10-bit mantissa), which the
-    # float32 TOLERANCE (IEEE accumulation) does not cover: the suite asks for IEEE
-    # products unless a case sets its own precision. TF32 runs in the benchmarks.
-    BACKENDS["pallas"] = functools.partial(_kernel_backend, "pallas", False, precision="highest")
+if ON_GPU:
+    BACKENDS["pallas"] = Backend("pallas")
     # Official Triton through jax-triton: compiled on GPUs only (no interpret mode).
-    BACKENDS["triton"] = functools.partial(mk.masked_conv, implementation="triton")
+    BACKENDS["triton"] = Backend("triton")
 # Backends too slow for large or many cases (interpret mode).
 SLOW_BACKENDS: set[str] = {"pallas_interpret"}
 

@@ -31,7 +31,7 @@ def problems(draw):
         )
     )
     need = [d * (k - 1) + 1 for d, k in zip(dilation, window)]
-    spatial = tuple(draw(st.integers(n + 1, n + 8)) for n in need)
+    spatial = tuple(draw(st.integers(n + 2, n + 8)) for n in need)  # room for -1 padding on both sides
     x_shape = (draw(st.integers(1, 2)), *spatial, c_in)
     kernel_shape = (*window, c_in // groups, c_out)
     args = dict(strides=strides, dilation=dilation, padding=padding, feature_group_count=groups)
@@ -49,7 +49,7 @@ def test_random_problems_match_reference(problem):
     reduction = int(np.prod(kernel_shape[:-1]))
     pixels = int(np.prod(ref.shape[:-1]))
     for name, conv in BACKENDS.items():
-        if name in SLOW_BACKENDS:
+        if name in SLOW_BACKENDS or conv.unsupported(x, k, bits, **args) is not None:
             continue
         y, vjp = jax.vjp(lambda x, k: conv(x, k, bits, **args), x, k)
         assert_close(y, ref, np.float32, reduction, 1.0 * np.abs(x).max() * np.abs(k).max())
