@@ -15,6 +15,11 @@
 # gpu_check.log; at most 7 files, as the device machine returns at most 8.
 #
 # The device machine's copy of the tree has no .git: pass the commit as MASKCONV_COMMIT.
+# Python packages the image lacks (jax-triton 0.3.1, the release that fits its triton
+# 3.6.0) travel as wheels in .whl/ (git-ignored; carry=[".whl"]), fetched here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl jax-triton==0.3.1
+# and installed by this script into /tmp/site.
 # Override the interpreter with PYTHON=..., the stage limits with *_TIMEOUT (seconds).
 # GPU_CHECK_ALLOW_CPU=1 lets the script run without a GPU (to test the script itself).
 set -uo pipefail
@@ -28,6 +33,10 @@ BENCH_TIMEOUT=${BENCH_TIMEOUT:-220}
 BENCH_BUDGET=${BENCH_BUDGET:-160}   # cells started after this many seconds are skipped
 BENCH_ARGS=${BENCH_ARGS:-}
 mkdir -p "$OUT"
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$ROOT"/.whl/*.whl && PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export MASKCONV_COMMIT=${MASKCONV_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}

@@ -15,6 +15,7 @@ import importlib
 
 import jax
 
+from .sharding import partitioned_masked_conv
 from .spec import make_spec
 
 __all__ = ["masked_conv", "IMPLEMENTATIONS", "implementation_for"]
@@ -103,6 +104,4 @@ def masked_conv(
             raise NotImplementedError(f'implementation="{implementation}" does not support this problem: {reason}')
     # Kernel backends are custom calls XLA cannot partition: this wraps them so a
     # batch-sharded x stays sharded under jit (see maskconv_kernels/sharding.py).
-    from .sharding import partitioned_masked_conv
-
     return partitioned_masked_conv(implementation, _backend(implementation), x, kernel, spec, interpret=interpret)

@@ -6,9 +6,7 @@ hashable :class:`ConvSpec`; backends take a ``ConvSpec`` and never re-validate.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -58,6 +58,8 @@ BACKENDS = {
     "pallas_interpret": Backend("pallas", interpret=True),
 }
 if ON_GPU:
+    # Compiled kernels replace the (slow, redundant) interpreter there.
+    del BACKENDS["pallas_interpret"]
     BACKENDS["pallas"] = Backend("pallas")
     # Official Triton through jax-triton: compiled on GPUs only (no interpret mode).
     BACKENDS["triton"] = Backend("triton")

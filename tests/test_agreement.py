@@ -65,3 +65,29 @@ def test_dtypes_accumulate_in_float32(conv, case, dtype):
     y32 = conv(x, k, case.mask, preferred_element_type=np.float32, **case.conv_args)
     assert y32.dtype == np.float32
     assert_close(y32, ref, np.float32, case.reduction(), _scale(x) * _scale(k))
+
+
+@pytest.mark.parametrize(
+    "name, small_window, pads, mask_rows, mask_cols",
+    [
+        # PixelCNN++ (Salimans et al., 2017): down_shifted_conv2d, a 2x3 filter on an input
+        # padded 1 row on top and 1 column on each side: a 3x3 window with the last row masked.
+        ("down_shifted", (2, 3), ((1, 0), (1, 1)), slice(0, 2), slice(0, 3)),
+        # down_right_shifted_conv2d: a 2x2 filter, padded on top and on the left.
+        ("down_right_shifted", (2, 2), ((1, 0), (1, 0)), slice(0, 2), slice(0, 2)),
+    ],
+)
+def test_matches_pixelcnn_pp_shifted_convolutions(conv, name, small_window, pads, mask_rows, mask_cols):
+    x = random(20, (2, 9, 8, 5))
+    small = random(21, (*small_window, 5, 6), scale=0.3)
+    expected = jax.lax.conv_general_dilated(
+        x, small, (1, 1), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"), precision="highest"
+    )
+    # The same filter placed in the top-left of a 3x3 window, the rest masked (and poisoned:
+    # a masked kernel entry is never read).
+    kernel = np.full((3, 3, 5, 6), np.nan, np.float32)
+    kernel[mask_rows, mask_cols] = small
+    mask = np.zeros((3, 3), bool)
+    mask[mask_rows, mask_cols] = True
+    y = conv(x, jax.numpy.asarray(kernel), mask)
+    assert_close(y, expected, np.float32, int(mask.sum()) * 5, _scale(x) * _scale(small))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCE, assert_close, random
+from conftest import assert_close, random
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import maskconv_kernels as mk
