@@ -60,13 +60,15 @@ def conv(
     precision,
     preferred_element_type=None,
     implementation: str | None,
+    bias: jax.Array | None = None,
 ) -> jax.Array:
-    """``nn.Conv``'s convolution step (no bias) with ``kernel * mask`` made exact.
+    """``nn.Conv``'s convolution and bias with ``kernel * mask`` made exact.
 
     Args:
       inputs: ``(*batch_dims, *spatial, C_in)``; no batch dim, or several, as in flax.
       kernel: ``(*window, C_in // feature_group_count, C_out)``, the dtype of ``inputs``.
       mask: the normalised mask, or ``None`` for a plain convolution (every tap active).
+      bias: ``(C_out,)`` or ``None``.
     """
     window = tuple(kernel.shape[:-2])
     ndim = len(window)
@@ -121,4 +123,6 @@ def conv(
     )
     if num_batch_dims != 1:
         y = jnp.reshape(y, (*batch_shape, *y.shape[1:]))
+    if bias is not None:
+        y += bias.reshape((1,) * (y.ndim - 1) + bias.shape)
     return y

@@ -119,7 +119,7 @@ class MaskedConv(nn.Module):
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        y = _conv.conv(
+        return _conv.conv(
             inputs,
             kernel,
             self.mask,
@@ -130,7 +130,5 @@ class MaskedConv(nn.Module):
             feature_group_count=self.feature_group_count,
             precision=self.precision,
             implementation=self.implementation,
+            bias=bias,
         )
-        if bias is not None:
-            y += bias.reshape((1,) * (y.ndim - 1) + bias.shape)
-        return y

@@ -132,7 +132,7 @@ class MaskedConv(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        y = _conv.conv(
+        return _conv.conv(
             inputs,
             kernel,
             self.mask,
@@ -144,7 +144,5 @@ class MaskedConv(nnx.Module):
             precision=self.precision,
             preferred_element_type=self.preferred_element_type,
             implementation=self.implementation,
+            bias=bias,
         )
-        if bias is not None:
-            y += bias.reshape((1,) * (y.ndim - 1) + bias.shape)
-        return y
