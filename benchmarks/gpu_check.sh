@@ -5,14 +5,17 @@
 #
 # Stages, each under its own timeout so that one slow stage cannot eat the others:
 #   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
-#   2. the kernel test suites, compiled on the GPU (PYTEST_PATHS)          -> pytest.txt
-#   3. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
+#   2. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
+#      ours, Pallas tiles swept, Triton's autotune (python -m benchmarks.tune) -> tune.json
+#   3. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
+#      parallel workers when pytest-xdist is there                          -> pytest.txt
+#   4. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
 #      (python -m maskconv_kernels)                                         -> leak_report.json
-#   4. the benchmark grid against cuDNN, most important cells first, with a
+#   5. the benchmark grid against cuDNN, most important cells first, with a
 #      time budget (python -m benchmarks.run --preset gpu)                  -> <gpu>.jsonl/.md/.png
-#   5. the summary table, printed last
+#   6. the summary table, printed last
 # Everything goes to $OUT (default benchmarks/results/gpu-check), with the full log in
-# gpu_check.log; at most 7 files, as the device machine returns at most 8.
+# gpu_check.log: 8 files, the most the device machine returns.
 #
 # The device machine's copy of the tree has no .git: pass the commit as MASKCONV_COMMIT.
 # Python packages the image lacks (jax-triton 0.3.1, the release that fits its triton
@@ -27,10 +30,12 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
-REPORT_TIMEOUT=${REPORT_TIMEOUT:-45}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-220}
-BENCH_BUDGET=${BENCH_BUDGET:-160}   # cells started after this many seconds are skipped
+TUNE_TIMEOUT=${TUNE_TIMEOUT:-150}
+TUNE_BUDGET=${TUNE_BUDGET:-100}     # kernels started after this many seconds are skipped
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-120}
+REPORT_TIMEOUT=${REPORT_TIMEOUT:-40}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
+BENCH_BUDGET=${BENCH_BUDGET:-100}   # cells started after this many seconds are skipped
 BENCH_ARGS=${BENCH_ARGS:-}
 mkdir -p "$OUT"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
@@ -79,28 +84,35 @@ STATUS[env]=$?
 [ "${STATUS[env]}" = 0 ] || { echo "no usable jax on a GPU: stopping"; exit 1; }
 TAG=$(echo "${GPU_NAME:-cpu}" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//')
 
-stage "2. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
+stage "2. per-kernel timings and tile sweep on the acceptance shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
+timeout "$TUNE_TIMEOUT" "$PYTHON" -m benchmarks.tune --budget "$TUNE_BUDGET" --out "$OUT/tune.json"
+STATUS[tune]=$?
+
+stage "3. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
 PYTEST_ARGS=(-q -p no:cacheprovider --durations=10 -rs)
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
+# Compilation dominates: spread the tests over worker processes, which then share the
+# GPU, so none may preallocate most of its memory.
+"$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-8}")
 # The suites where the compiled GPU backends (pallas, triton, and xla's matmul path) run;
 # the rest (flax, sharding on forced CPU devices, masks, errors) is what CI checks on CPU.
 PYTEST_PATHS=${PYTEST_PATHS:-tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py}
 # shellcheck disable=SC2086
-timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
 STATUS[pytest]=${PIPESTATUS[0]}
 
-stage "3. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+stage "4. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
 timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
 STATUS[leak_report]=$?
 
-stage "4. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
+stage "5. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
 # shellcheck disable=SC2086
 # stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
 timeout "$BENCH_TIMEOUT" "$PYTHON" -m benchmarks.run --preset gpu --time-budget "$BENCH_BUDGET" \
   --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
 STATUS[bench]=${PIPESTATUS[0]}
 
-stage "5. summary"
+stage "6. summary"
 # Re-rendered from the rows written so far, so an interrupted grid still gets its table and chart.
 if [ -s "$OUT/$TAG.jsonl" ]; then
   timeout 60 "$PYTHON" -m benchmarks.run --render "$OUT/$TAG.jsonl" | sed -n '/^## Summary/,$p'
@@ -121,10 +133,30 @@ for check in ex[labels[0]]:
     print(f"| {check} | " + " | ".join(f"{ex[l][check]:.3g}" for l in labels) + " |")
 EOF
 fi
+if [ -s "$OUT/tune.json" ]; then
+  echo; echo "Per-kernel ms (python -m benchmarks.tune): cuDNN, Pallas default tile / best tile, Triton's pick"
+  "$PYTHON" - "$OUT/tune.json" <<'EOF' || echo "(tune.json not in the expected format)"
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+print("| shape | dtype | kernel | cuDNN | pallas default | pallas best (tile) | triton |")
+print("|---|---|---|---:|---:|---|---:|")
+for key in dict.fromkeys((r["shape"], r["dtype"]) for r in rows):
+    sub = [r for r in rows if (r["shape"], r["dtype"]) == key and "ms" in r]
+    for kind in ("fwd", "dx", "dw", "step"):
+        get = lambda impl, f=None: [r for r in sub if r["impl"] == impl and r["kind"] == kind and (f is None or f(r))]
+        base, dflt = get("baseline"), get("pallas", lambda r: r.get("default"))
+        pal, tri = sorted(get("pallas"), key=lambda r: r["ms"]), get("triton")
+        fmt = lambda rs: f"{rs[0]['ms']:.3f}" if rs else "-"
+        best = f"{pal[0]['ms']:.3f} ({','.join(map(str, pal[0]['tile']))})" if pal else "-"
+        print(f"| {key[0]} | {key[1]} | {kind} | {fmt(base)} | {fmt(dflt)} | {best} | {fmt(tri)} |")
+for r in [r for r in rows if "error" in r][:8]:
+    print("error:", r["impl"], r["kind"], r.get("tile"), r["error"][:160])
+EOF
+fi
 echo
 echo "| stage | exit status |"
 echo "|---|---|"
-for s in env pytest leak_report bench; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+for s in env tune pytest leak_report bench; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START ))s"

@@ -357,8 +357,12 @@ def cells(preset: Preset, shape_filter: str | None):
 
     def priority(cell):
         shape, dtype, mode = cell
-        # The acceptance shapes' training steps first, then every training step, then fwd and bwd alone.
-        return (not (shape.bar and mode == "fwd+bwd"), mode != "fwd+bwd", preset.dtypes.index(dtype))
+        # The acceptance shapes in the first dtype (every mode: the split shows which pass is
+        # slow), then their training steps in the other dtypes, then every training step,
+        # then forward and backward alone.
+        first = dtype == preset.dtypes[0]
+        tier = 0 if shape.bar and first else 1 if shape.bar and mode == "fwd+bwd" else 2
+        return (tier, mode != "fwd+bwd", preset.dtypes.index(dtype))
 
     grid = [(s, d, m) for s in shapes for d in preset.dtypes for m in preset.modes]
     return sorted(grid, key=priority)

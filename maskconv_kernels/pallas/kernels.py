@@ -7,9 +7,12 @@ The kernels work on a 2-D problem; 1-D convolutions are 2-D ones of height 1.
 
 Layouts (channels-last, as the public API):
 
-* ``x: [N, H, W, C_in]``, ``dy: [N, OH, OW, C_out]`` read with gathers whose indices
-  are clamped into range and whose lanes outside the image, padding or channel count
-  are masked off (``other=0``), so C=1, 3 or 130 needs no padded copy of ``x``;
+* ``x: [N, H, W, C_in]``, ``dy: [N, OH, OW, C_out]`` read with gathers whose lanes
+  outside the image, padding or channel count are masked off (``other=0``), so C=1, 3
+  or 130 needs no padded copy of ``x``. Pixel indices are clamped into range; channel
+  indices are left as ``c0 + arange``, never clamped, because Triton proves a load
+  contiguous (and vectorises it to 16-byte accesses) only from that form, and a
+  masked-off lane is never dereferenced;
 * ``kernel: [KH, KW, C_in_pad, C_out_pad]`` zero-padded to whole channel tiles (small);
 * outputs are written as whole tiles into arrays padded to whole tiles, then sliced.
 
@@ -177,7 +180,7 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
             ci_ok = ci < g.c_in
             if piece.in_runs is not None:
                 ci_ok &= _member(ci, piece.in_runs)
-            chans = jnp.broadcast_to(_clamp(ci, g.c_in)[None, :], (bp, bci))
+            chans = jnp.broadcast_to(ci[None, :], (bp, bci))
             xb = plgpu.load(x_ref.at[n, rows, cols, chans], mask=ok & ci_ok[None, :], other=0.0)
             kb = _piece_kernel_block(k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)], piece, ci, co)
             prod = _dot(xb, kb, g)
@@ -256,7 +259,7 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
             co_ok = co < g.c_out
             if piece.out_runs is not None:
                 co_ok &= _member(co, piece.out_runs)
-            chans = jnp.broadcast_to(_clamp(co, g.c_out)[None, :], (bp, bco))
+            chans = jnp.broadcast_to(co[None, :], (bp, bco))
             dyb = plgpu.load(dy_ref.at[n, rows, cols, chans], mask=ok & co_ok[None, :], other=0.0)
             kb = _piece_kernel_block(k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)], piece, ci, co)
             prod = _dot(dyb, kb, g, trans_b=True)
@@ -314,7 +317,6 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
     ci = pl.program_id(2) * bci + jnp.arange(bci, dtype=jnp.int32)
     co = pl.program_id(3) * bco + jnp.arange(bco, dtype=jnp.int32)
     ci_ok, co_ok = ci < g.c_in, co < g.c_out
-    ci_c, co_c = _clamp(ci, g.c_in), _clamp(co, g.c_out)
     pixels = oh_size * ow_size
 
     def body(j, acc):
@@ -331,7 +333,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
                 jnp.broadcast_to(n[:, None], (bq, bci)),
                 jnp.broadcast_to(_clamp(ih, h)[:, None], (bq, bci)),
                 jnp.broadcast_to(_clamp(iw, w)[:, None], (bq, bci)),
-                jnp.broadcast_to(ci_c[None, :], (bq, bci)),
+                jnp.broadcast_to(ci[None, :], (bq, bci)),
             ],
             mask=x_ok, other=0.0,
         )
@@ -340,7 +342,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
                 jnp.broadcast_to(n[:, None], (bq, bco)),
                 jnp.broadcast_to(oh[:, None], (bq, bco)),
                 jnp.broadcast_to(ow[:, None], (bq, bco)),
-                jnp.broadcast_to(co_c[None, :], (bq, bco)),
+                jnp.broadcast_to(co[None, :], (bq, bco)),
             ],
             mask=q_ok[:, None] & co_ok[None, :], other=0.0,
         )

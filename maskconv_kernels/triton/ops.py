@@ -22,7 +22,7 @@ from . import config as _config
 from .config import Config
 from .kernels import conv_dw_kernel, conv_dx_kernel, conv_fwd_kernel
 
-__all__ = ["Problem", "problem", "conv", "kernel_args", "KERNELS"]
+__all__ = ["Problem", "problem", "conv", "kernel_args", "timings", "KERNELS"]
 
 KERNELS = {"fwd": conv_fwd_kernel, "dx": conv_dx_kernel, "dw": conv_dw_kernel}
 
@@ -225,7 +225,17 @@ def _time(kind: str, p: Problem, configs: list[Config], repeats: int = 5) -> Con
             timings[c] = best
     if not timings:
         raise first_error
+    _TIMINGS[(kind, p)] = timings
     return min(timings, key=timings.get)
+
+
+# (kind, problem) -> {Config: seconds} of every autotuned launch, for benchmarks/tune.py.
+_TIMINGS: dict[tuple, dict[Config, float]] = {}
+
+
+def timings() -> dict[tuple, dict[Config, float]]:
+    """A copy of this process's autotune measurements (best of repeats, seconds)."""
+    return {key: dict(t) for key, t in _TIMINGS.items()}
 
 
 def _forward(x, w, p: Problem):

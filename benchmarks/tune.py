@@ -1,0 +1,243 @@
+"""Per-kernel timings on the acceptance shapes: cuDNN's pieces beside each of our kernels.
+
+    python -m benchmarks.tune --out benchmarks/results/gpu-check/tune.json
+
+Where ``benchmarks.run`` times whole training steps, this splits one step into its three
+GEMMs so that a slow step can be traced to its kernel, and sweeps the Pallas block
+sizes (``maskconv_kernels.pallas.BlockSizes``) per kernel, since the heuristic has only
+ever been chosen, not measured. For each shape and dtype it times:
+
+* ``baseline``: cuDNN's forward, input gradient (``vjp`` in ``x`` only) and weight
+  gradient (``vjp`` in the kernel only) of ``lax.conv_general_dilated(x, kernel*mask)``;
+* ``pallas``: ``kernels.forward`` / ``input_grad`` / ``weight_grad`` alone, once per
+  candidate tile (``CANDIDATES``; the heuristic's pick is marked ``default``);
+* ``triton``: each kernel's autotune timings (``ops._time``'s) and the chosen config,
+  re-timed with the same timer as the others.
+
+Candidates are compiled in parallel threads (XLA and Triton compile outside the GIL)
+and timed one after the other. Writes one JSON file and prints a table per shape.
+GPU only: the kernels are compiled, not interpreted.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import maskconv_kernels as mk
+from maskconv_kernels.pallas import BlockSizes, conv as pallas_conv, kernels as pallas_kernels
+from maskconv_kernels.spec import make_spec
+
+from .run import DTYPES, metadata
+from .shapes import BAR_SHAPES, BenchShape
+
+# (block_m, block_n, block_k, num_warps, num_stages) of one GEMM: for the forward
+# m = output pixels, n = C_out, k = C_in; for the input gradient m = input pixels,
+# n = C_in, k = C_out; for the weight gradient m = C_in, n = C_out, k = pixels.
+CANDIDATES = {
+    2: [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 32, 4, 4),
+        (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 256, 64, 8, 3)],
+    4: [(64, 64, 32, 4, 2), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
+        (128, 128, 16, 8, 4), (64, 64, 64, 4, 2)],
+}
+
+
+def blocks_for(kind: str, base: BlockSizes, cand) -> BlockSizes:
+    m, n, k, warps, stages = cand
+    fields = {
+        "fwd": dict(block_pixels=m, block_c_out=n, block_c_in=k),
+        "dx": dict(block_pixels=m, block_c_in=n, block_c_out=k),
+        "dw": dict(block_c_in=m, block_c_out=n, block_pixels_reduce=k),
+    }[kind]
+    return dataclasses.replace(base, num_warps=warps, num_stages=stages, **fields)
+
+
+def gemm_of(kind: str, b: BlockSizes):
+    return {
+        "fwd": (b.block_pixels, b.block_c_out, b.block_c_in),
+        "dx": (b.block_pixels, b.block_c_in, b.block_c_out),
+        "dw": (b.block_c_in, b.block_c_out, b.block_pixels_reduce),
+    }[kind] + (b.num_warps, b.num_stages)
+
+
+def time_fn(compiled, args, samples: int = 15, min_sample_s: float = 0.003) -> float:
+    """Median seconds per call; each sample is ``n`` back-to-back calls and one block."""
+    for _ in range(2):
+        jax.block_until_ready(compiled(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    n = max(1, int(min_sample_s / max(time.perf_counter() - t, 1e-7)) + 1)
+    ts = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        for _ in range(n):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / n)
+    return statistics.median(ts)
+
+
+def _compile_all(fns: dict, args: dict, workers: int = 8) -> dict:
+    """name -> compiled executable or the error's first line, compiled in parallel threads."""
+
+    def one(name):
+        try:
+            return jax.jit(fns[name]).lower(*args[name]).compile()
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is a result, not a crash
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return dict(zip(fns, pool.map(one, fns)))
+
+
+def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: bool = False) -> list[dict]:
+    """Rows of timings for one shape and dtype; ``cpu_check``: tiny batch, interpreted (tests this script)."""
+    dtype = DTYPES[dtype_name]
+    batch = 1 if cpu_check else shape.batch
+    kx, kk, kd = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, shape.x_shape(batch), jnp.float32).astype(dtype)
+    k = (jax.random.normal(kk, shape.kernel_shape, jnp.float32) / np.sqrt(shape.active_taps * shape.c_in)).astype(dtype)
+    spec = make_spec(x, k, shape.mask, **shape.conv_args)
+    dy = jax.random.normal(kd, (batch, *spec.out_spatial, shape.c_out), jnp.float32).astype(dtype)
+    flops = spec.flops(batch)  # one GEMM's multiply-adds on active taps, x2
+    rows = []
+
+    def row(impl, kind, seconds, **extra):
+        r = dict(shape=shape.name, dtype=dtype_name, impl=impl, kind=kind, **extra)
+        if isinstance(seconds, float):
+            r.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+        else:
+            r["error"] = seconds
+        rows.append(r)
+
+    # cuDNN's three pieces (and a whole step) of the leaky baseline.
+    leaky = lambda x, k: mk.leaky_masked_conv(x, k, shape.mask, **shape.conv_args)
+    base_fns = {
+        "fwd": lambda x, k, dy: leaky(x, k),
+        "dx": lambda x, k, dy: jax.vjp(lambda x: leaky(x, k), x)[1](dy),
+        "dw": lambda x, k, dy: jax.vjp(lambda k: leaky(x, k), k)[1](dy),
+        "step": lambda x, k, dy: (lambda y, pull: (y, pull(dy)))(*jax.vjp(leaky, x, k)),
+    }
+    compiled = _compile_all(base_fns, {n: (x, k, dy) for n in base_fns})
+    for kind, c in compiled.items():
+        row("baseline", kind, c if isinstance(c, str) else time_fn(c, (x, k, dy)))
+
+    # Pallas: each kernel alone, per candidate tile.
+    default = BlockSizes.get_default(spec, dtype)
+    for kind in ("fwd", "dx", "dw"):
+        if time.perf_counter() > deadline:
+            break
+        cands = {gemm_of(kind, default): default}
+        for cand in CANDIDATES[np.dtype(dtype).itemsize]:
+            cands.setdefault(cand, blocks_for(kind, default, cand))
+        fns, args = {}, {}
+        for cand, blocks in cands.items():
+            g = pallas_conv._plan(spec, blocks, False).geometry
+            if spec.ndim == 1:
+                raise NotImplementedError("tune.py times the 2-D acceptance shapes")
+            fns[cand] = _pallas_fn(kind, g, cpu_check)
+            args[cand] = (x, k, dy)
+        compiled = _compile_all(fns, args)
+        for cand, c in compiled.items():
+            t = c if isinstance(c, str) else time_fn(c, (x, k, dy))
+            row("pallas", kind, t, tile=list(cand), default=cand == gemm_of(kind, default))
+
+    # Triton: the autotuner's own timings, then its pick under this timer.
+    try:
+        from maskconv_kernels.triton import ops as triton_ops
+    except Exception as e:  # noqa: BLE001 - no triton / jax-triton here
+        row("triton", "all", f"{type(e).__name__}: {e}"[:300])
+        return rows
+    p = triton_ops.problem(spec, batch, dtype)
+    launch = {"fwd": (x, k), "dx": (dy, k), "dw": (x, dy)}
+    for kind in ("fwd", "dx", "dw"):
+        if time.perf_counter() > deadline:
+            break
+        try:
+            best = triton_ops._select(kind, p)
+            timings = triton_ops.timings().get((kind, p), {})
+            c = jax.jit(lambda *a, kind=kind, best=best: triton_ops._launch(kind, p, best, *a))
+            t = time_fn(c, launch[kind])
+        except Exception as e:  # noqa: BLE001
+            row("triton", kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+            continue
+        row("triton", kind, t, tile=dataclasses.asdict(best),
+            autotune={json.dumps(dataclasses.asdict(cfg)): s * 1e3 for cfg, s in timings.items()})
+    return rows
+
+
+def _pallas_fn(kind: str, g, interpret: bool):
+    def pad(k):
+        return jnp.pad(k, ((0, 0), (0, 0), (0, g.c_in_pad - g.c_in), (0, g.c_out_pad - g.c_out)))
+
+    if kind == "fwd":
+        return lambda x, k, dy: pallas_kernels.forward(x, pad(k), g, dy.dtype, interpret)
+    if kind == "dx":
+        return lambda x, k, dy: pallas_kernels.input_grad(dy, pad(k), g, x.dtype, interpret)
+    return lambda x, k, dy: pallas_kernels.weight_grad(x, dy, g, k.dtype, interpret)
+
+
+def table(rows: list[dict]) -> str:
+    lines = []
+    for (shape, dtype) in dict.fromkeys((r["shape"], r["dtype"]) for r in rows):
+        sub = [r for r in rows if r["shape"] == shape and r["dtype"] == dtype]
+        lines += [f"\n### {shape} {dtype}", "| impl | kernel | tile (m,n,k,warps,stages) | ms | TFLOP/s |",
+                  "|---|---|---|---:|---:|"]
+        for r in sub:
+            tile = r.get("tile", "")
+            if isinstance(tile, dict):
+                tile = ",".join(str(tile[f]) for f in ("block_m", "block_n", "block_k", "num_warps", "num_stages"))
+                tile += f" split={r['tile'].get('split', 1)}" if r["kind"] == "dw" else ""
+            elif tile:
+                tile = ",".join(map(str, tile)) + (" (default)" if r.get("default") else "")
+            ms = f"{r['ms']:.3f}" if "ms" in r else r["error"][:80]
+            tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
+            lines.append(f"| {r['impl']} | {r['kind']} | {tile} | {ms} | {tf} |")
+        best = {}
+        for r in sub:
+            if "ms" in r and r["kind"] in ("fwd", "dx", "dw"):
+                key = (r["impl"], r["kind"])
+                best[key] = min(best.get(key, np.inf), r["ms"])
+        for impl in ("pallas", "triton"):
+            if all((impl, kd) in best for kd in ("fwd", "dx", "dw")):
+                ours = sum(best[(impl, kd)] for kd in ("fwd", "dx", "dw"))
+                cudnn = sum(best.get(("baseline", kd), np.nan) for kd in ("fwd", "dx", "dw"))
+                lines.append(f"\nbest {impl} fwd+dx+dw {ours:.3f} ms vs cuDNN {cudnn:.3f} ms: {cudnn / ours:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds; later shapes/kernels are skipped")
+    parser.add_argument("--out", default="tune.json")
+    parser.add_argument("--cpu-check", action="store_true",
+                        help="batch 1, Pallas interpreted: checks this script on a machine without a GPU")
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu" and not args.cpu_check:
+        print("benchmarks.tune times compiled GPU kernels; this machine has none", file=sys.stderr)
+        return 1
+    deadline = time.perf_counter() + args.budget
+    rows, meta = [], metadata("tune")
+    for dtype_name in args.dtypes:
+        for shape in BAR_SHAPES:
+            if time.perf_counter() > deadline:
+                break
+            rows += tune_shape(shape, dtype_name, deadline, args.cpu_check)
+            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            print(table([r for r in rows if r["shape"] == shape.name and r["dtype"] == dtype_name]), flush=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
