@@ -5,14 +5,14 @@
 #
 # Stages, each under its own timeout so that one slow stage cannot eat the others:
 #   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
-#   2. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
-#      ours, Pallas tiles swept, Triton's autotune (python -m benchmarks.tune) -> tune.json
-#   3. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
-#      parallel workers when pytest-xdist is there                          -> pytest.txt
-#   4. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
-#      (python -m maskconv_kernels)                                         -> leak_report.json
-#   5. the benchmark grid against cuDNN, most important cells first, with a
+#   2. the benchmark grid against cuDNN, most important cells first, with a
 #      time budget (python -m benchmarks.run --preset gpu)                  -> <gpu>.jsonl/.md/.png
+#   3. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
+#      (python -m maskconv_kernels)                                         -> leak_report.json
+#   4. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
+#      parallel workers when pytest-xdist is there                          -> pytest.txt
+#   5. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
+#      ours, Pallas tiles swept, Triton's autotune (python -m benchmarks.tune) -> tune.json
 #   6. the summary table, printed last
 # Everything goes to $OUT (default benchmarks/results/gpu-check), with the full log in
 # gpu_check.log: 8 files, the most the device machine returns.
@@ -32,6 +32,8 @@ PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
 TUNE_TIMEOUT=${TUNE_TIMEOUT:-150}
 TUNE_BUDGET=${TUNE_BUDGET:-100}     # kernels started after this many seconds are skipped
+TUNE_ARGS=${TUNE_ARGS:-}            # e.g. "--dtypes bfloat16"
+PYTEST_K=${PYTEST_K:-}              # a pytest -k expression, e.g. "triton or pallas"
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-120}
 REPORT_TIMEOUT=${REPORT_TIMEOUT:-40}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
@@ -84,12 +86,19 @@ STATUS[env]=$?
 [ "${STATUS[env]}" = 0 ] || { echo "no usable jax on a GPU: stopping"; exit 1; }
 TAG=$(echo "${GPU_NAME:-cpu}" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//')
 
-stage "2. per-kernel timings and tile sweep on the acceptance shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
-timeout "$TUNE_TIMEOUT" "$PYTHON" -m benchmarks.tune --budget "$TUNE_BUDGET" --out "$OUT/tune.json"
-STATUS[tune]=$?
+stage "2. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
+# shellcheck disable=SC2086
+# stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
+timeout "$BENCH_TIMEOUT" "$PYTHON" -m benchmarks.run --preset gpu --time-budget "$BENCH_BUDGET" \
+  --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
+STATUS[bench]=${PIPESTATUS[0]}
 
-stage "3. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
-PYTEST_ARGS=(-q -p no:cacheprovider --durations=10 -rs)
+stage "3. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
+STATUS[leak_report]=$?
+
+stage "4. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
+PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 # Compilation dominates: spread the tests over worker processes, which then share the
 # GPU, so none may preallocate most of its memory.
@@ -97,20 +106,15 @@ PYTEST_ARGS=(-q -p no:cacheprovider --durations=10 -rs)
 # The suites where the compiled GPU backends (pallas, triton, and xla's matmul path) run;
 # the rest (flax, sharding on forced CPU devices, masks, errors) is what CI checks on CPU.
 PYTEST_PATHS=${PYTEST_PATHS:-tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py}
+[ -n "$PYTEST_K" ] && PYTEST_ARGS+=(-k "$PYTEST_K")
 # shellcheck disable=SC2086
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
 STATUS[pytest]=${PIPESTATUS[0]}
 
-stage "4. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
-timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
-STATUS[leak_report]=$?
-
-stage "5. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
+stage "5. per-kernel timings and tile sweep on the acceptance shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
 # shellcheck disable=SC2086
-# stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
-timeout "$BENCH_TIMEOUT" "$PYTHON" -m benchmarks.run --preset gpu --time-budget "$BENCH_BUDGET" \
-  --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
-STATUS[bench]=${PIPESTATUS[0]}
+timeout "$TUNE_TIMEOUT" "$PYTHON" -m benchmarks.tune --budget "$TUNE_BUDGET" --out "$OUT/tune.json" $TUNE_ARGS
+STATUS[tune]=$?
 
 stage "6. summary"
 # Re-rendered from the rows written so far, so an interrupted grid still gets its table and chart.
@@ -156,7 +160,7 @@ fi
 echo
 echo "| stage | exit status |"
 echo "|---|---|"
-for s in env tune pytest leak_report bench; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+for s in env bench leak_report pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START ))s"

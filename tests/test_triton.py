@@ -8,6 +8,7 @@ gains ``"triton"`` there) and the GPU tests at the end of this file.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -79,16 +80,45 @@ def test_kernel_compiles_for_sm90(case, kind):
     p = _problem(case)
     cfg = config.heuristic(kind, *p.gemm(kind), np.dtype(case.dtype).itemsize, len(p.taps))
     args = ops.kernel_args(p, kind, cfg)
-    source = triton.compiler.ASTSource(fn=args["kernel"], signature=args["signature"], constexprs=args["constexprs"])
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=args["options"])
+    compiled = _compile(args)
     assert len(compiled.asm["cubin"]) > 0
     assert ".target sm_90" in compiled.asm["ptx"]
-    # Exactly one tl.dot per active tap (and C block loop): masked taps emit no code.
-    dots = compiled.asm["ttir"].count("tt.dot ")
-    assert dots == (1 if kind == "dw" else len(p.taps)), dots
+    # One tl.dot in one loop over (active tap, channel block) pairs: the loop runs
+    # len(taps) * channel blocks times, so masked taps have no iteration at all.
+    ttir = compiled.asm["ttir"]
+    assert ttir.count("tt.dot ") == 1
+    if kind != "dw":
+        k = p.c_in if kind == "fwd" else p.c_out
+        trips = len(p.taps) * -(-k // cfg.block_k)
+        assert re.search(rf"scf\.for %\S+ = %\S+ to %c{trips}_i32", ttir), f"no loop of {trips} trips"
     # TF32 only where asked for: f32 at default precision.
     uses_tf32 = "tf32" in compiled.asm["ttir"]
     assert uses_tf32 == (np.dtype(case.dtype) == np.float32 and "precision" not in case.conv_args)
+
+
+def _compile(args):
+    source = triton.compiler.ASTSource(
+        fn=args["kernel"], signature=args["signature"], constexprs=args["constexprs"], attrs=args["attrs"]
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=args["options"])
+
+
+@pytest.mark.parametrize("kind", config.KINDS)
+@pytest.mark.parametrize("window, mask_type", [((7, 7), "A"), ((3, 3), "B")])
+def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, kind):
+    """bf16, N=64, 32x32, C=256 (the GPU bar): async copies a few stages deep feeding Hopper's wgmma.
+
+    A regression guard for the two things that make these kernels fast on an H200 and
+    that a small change can silently lose: vectorised, software-pipelined loads
+    (``cp.async``) and warp-group matrix instructions.
+    """
+    x = jax.ShapeDtypeStruct((64, 32, 32, 256), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((*window, 256, 256), jnp.bfloat16)
+    p = ops.problem(make_spec(x, k, mk.pixelcnn_mask(window, mask_type)), 64, jnp.bfloat16)
+    cfg = config.heuristic(kind, *p.gemm(kind), 2, len(p.taps))
+    ptx = _compile(ops.kernel_args(p, kind, cfg)).asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx
+    assert "wgmma.mma_async" in ptx
 
 
 def _spec(x_shape, kernel_shape, mask, dtype=np.float32, **kw):

@@ -1,8 +1,9 @@
 """The three Pallas (Triton) kernels: forward, input gradient and weight gradient.
 
 Every kernel is an implicit GEMM over the mask's active taps only: the forward and
-input-gradient kernels loop over them in a *static* Python loop (a masked tap has no
-code, so nothing can read it), and the weight-gradient grid has one row per active tap.
+input-gradient kernels run one loop over (active tap, channel block) pairs whose tap
+comes from the static list of active taps (``_tap_at``: a masked tap is never named, so
+nothing can read it), and the weight-gradient grid has one row per active tap.
 The kernels work on a 2-D problem; 1-D convolutions are 2-D ones of height 1.
 
 Layouts (channels-last, as the public API):
@@ -147,6 +148,54 @@ def _clamp(idx, size):
     return jnp.clip(idx, 0, size - 1)
 
 
+def _plain_taps(g: Geometry) -> tuple[tuple[int, int], ...]:
+    """The taps whose pieces cover every channel pair: these share one runtime loop."""
+    return tuple(p.tap for p in g.pieces if p.in_runs is None and p.out_runs is None)
+
+
+def _partial_pieces(g: Geometry) -> tuple[Piece, ...]:
+    """Pieces of channel-partial taps: each has its own static code (rare: full-shaped masks)."""
+    return tuple(p for p in g.pieces if p.in_runs is not None or p.out_runs is not None)
+
+
+def _tap_at(t, taps: tuple[tuple[int, int], ...], kw: int):
+    """``(row, col)`` of the ``t``-th of the static ``taps`` for a traced int32 ``t``.
+
+    Taps in a raster run (PixelCNN, causal and stack masks: flat indices ``f0 .. f0+T-1``)
+    cost a division; any other set, a chain of scalar selects. Either way ``t`` only
+    ever names an active tap, and the kernels close over no array constant.
+    """
+    flat = [i * kw + j for i, j in taps]
+    if flat == list(range(flat[0], flat[0] + len(flat))):
+        f = t + flat[0]
+        return lax.div(f, kw), lax.rem(f, kw)
+    th = tw = jnp.int32(0)
+    for idx, (i, j) in enumerate(taps):
+        th = jnp.where(t == idx, jnp.int32(i), th)
+        tw = jnp.where(t == idx, jnp.int32(j), tw)
+    return th, tw
+
+
+def _tap_loop(taps, trips: int, kw: int, step, acc):
+    """``acc`` + ``step(th, tw, j)`` over every active tap and reduction block ``j < trips``.
+
+    One ``fori_loop`` of ``len(taps) * trips`` iterations, not one loop per tap: Triton
+    software-pipelines the loads across taps, and the kernel's code (and its compile
+    time) no longer grows with the number of taps.
+    """
+    if not taps:
+        return acc
+
+    def body(it, acc):
+        if trips == 1:
+            return acc + step(*_tap_at(it, taps, kw), jnp.int32(0))
+        return acc + step(*_tap_at(lax.div(it, trips), taps, kw), lax.rem(it, trips))
+
+    if len(taps) * trips == 1:
+        return body(jnp.int32(0), acc)
+    return lax.fori_loop(0, len(taps) * trips, body, acc)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -165,30 +214,33 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
     co = co0 + jnp.arange(bco, dtype=jnp.int32)
     p_ok = p < oh_size * ow_size
     oh, ow = lax.div(p, ow_size), lax.rem(p, ow_size)
-    acc = jnp.zeros((bp, bco), jnp.float32)
-    for piece in g.pieces:  # static: masked taps have no code at all
-        th, tw = piece.tap
+    trips = g.c_in_pad // bci
+
+    def step(th, tw, j, piece=None):
+        """The product of tap ``(th, tw)`` and input-channel block ``j`` (of ``piece``'s entries)."""
         ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
         iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
         ok = (p_ok & _in_range(ih, h) & _in_range(iw, w))[:, None]
-        rows = jnp.broadcast_to(_clamp(ih, h)[:, None], (bp, bci))
-        cols = jnp.broadcast_to(_clamp(iw, w)[:, None], (bp, bci))
+        ci0 = j * bci
+        ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
+        ci_ok = ci < g.c_in
+        if piece is not None and piece.in_runs is not None:
+            ci_ok &= _member(ci, piece.in_runs)
+        idx = (_clamp(ih, h)[:, None], _clamp(iw, w)[:, None], ci[None, :])
+        xb = plgpu.load(
+            x_ref.at[(n, *(jnp.broadcast_to(i, (bp, bci)) for i in idx))], mask=ok & ci_ok[None, :], other=0.0
+        )
+        kb = k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)]
+        if piece is not None:
+            kb = _piece_kernel_block(kb, piece, ci, co)
+        prod = _dot(xb, kb, g)
+        if piece is not None and piece.out_runs is not None:
+            prod = jnp.where(_member(co, piece.out_runs)[None, :], prod, 0.0)
+        return prod
 
-        def body(j, acc, th=th, tw=tw, piece=piece, ok=ok, rows=rows, cols=cols):
-            ci0 = j * bci
-            ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
-            ci_ok = ci < g.c_in
-            if piece.in_runs is not None:
-                ci_ok &= _member(ci, piece.in_runs)
-            chans = jnp.broadcast_to(ci[None, :], (bp, bci))
-            xb = plgpu.load(x_ref.at[n, rows, cols, chans], mask=ok & ci_ok[None, :], other=0.0)
-            kb = _piece_kernel_block(k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)], piece, ci, co)
-            prod = _dot(xb, kb, g)
-            if piece.out_runs is not None:
-                prod = jnp.where(_member(co, piece.out_runs)[None, :], prod, 0.0)
-            return acc + prod
-
-        acc = _loop(g.c_in_pad // bci, body, acc)
+    acc = _tap_loop(_plain_taps(g), trips, g.window[1], step, jnp.zeros((bp, bco), jnp.float32))
+    for piece in _partial_pieces(g):  # static code per piece: masked entries have none
+        acc = _loop(trips, lambda j, acc, piece=piece: acc + step(*piece.tap, j, piece), acc)
     y_ref[...] = acc.astype(y_ref.dtype)
 
 
@@ -234,9 +286,10 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
     ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
     i_ok = i < h * w
     ih, iw = lax.div(i, w), lax.rem(i, w)
-    acc = jnp.zeros((bp, bci), jnp.float32)
-    for piece in g.pieces:
-        th, tw = piece.tap
+    trips = g.c_out_pad // bco
+
+    def step(th, tw, j, piece=None):
+        """The product of tap ``(th, tw)`` and output-channel block ``j`` (of ``piece``'s entries)."""
         ok = i_ok
         out_idx = []
         for pos, lo, t, d, s, size in zip(
@@ -249,25 +302,28 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
                 ok &= lax.rem(num, s) == 0
                 num = lax.div(num, s)
             ok &= num < size
-            out_idx.append(jnp.broadcast_to(_clamp(num, size)[:, None], (bp, bco)))
-        rows, cols = out_idx
-        ok = ok[:, None]
+            out_idx.append(_clamp(num, size)[:, None])
+        co0 = j * bco
+        co = co0 + jnp.arange(bco, dtype=jnp.int32)
+        co_ok = co < g.c_out
+        if piece is not None and piece.out_runs is not None:
+            co_ok &= _member(co, piece.out_runs)
+        idx = (*out_idx, co[None, :])
+        dyb = plgpu.load(
+            dy_ref.at[(n, *(jnp.broadcast_to(i, (bp, bco)) for i in idx))],
+            mask=ok[:, None] & co_ok[None, :], other=0.0,
+        )
+        kb = k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)]
+        if piece is not None:
+            kb = _piece_kernel_block(kb, piece, ci, co)
+        prod = _dot(dyb, kb, g, trans_b=True)
+        if piece is not None and piece.in_runs is not None:
+            prod = jnp.where(_member(ci, piece.in_runs)[None, :], prod, 0.0)
+        return prod
 
-        def body(j, acc, th=th, tw=tw, piece=piece, ok=ok, rows=rows, cols=cols):
-            co0 = j * bco
-            co = co0 + jnp.arange(bco, dtype=jnp.int32)
-            co_ok = co < g.c_out
-            if piece.out_runs is not None:
-                co_ok &= _member(co, piece.out_runs)
-            chans = jnp.broadcast_to(co[None, :], (bp, bco))
-            dyb = plgpu.load(dy_ref.at[n, rows, cols, chans], mask=ok & co_ok[None, :], other=0.0)
-            kb = _piece_kernel_block(k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)], piece, ci, co)
-            prod = _dot(dyb, kb, g, trans_b=True)
-            if piece.in_runs is not None:
-                prod = jnp.where(_member(ci, piece.in_runs)[None, :], prod, 0.0)
-            return acc + prod
-
-        acc = _loop(g.c_out_pad // bco, body, acc)
+    acc = _tap_loop(_plain_taps(g), trips, g.window[1], step, jnp.zeros((bp, bci), jnp.float32))
+    for piece in _partial_pieces(g):
+        acc = _loop(trips, lambda j, acc, piece=piece: acc + step(*piece.tap, j, piece), acc)
     dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
@@ -309,11 +365,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
     bq, bci, bco = b.block_pixels_reduce, b.block_c_in, b.block_c_out
     (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
     split, t = pl.program_id(0), pl.program_id(1)
-    # The tap of this program, from a static table unrolled into selects (no array constant).
-    th = tw = jnp.int32(0)
-    for idx, (i, j) in enumerate(g.taps):
-        th = jnp.where(t == idx, jnp.int32(i), th)
-        tw = jnp.where(t == idx, jnp.int32(j), tw)
+    th, tw = _tap_at(t, g.taps, g.window[1])
     ci = pl.program_id(2) * bci + jnp.arange(bci, dtype=jnp.int32)
     co = pl.program_id(3) * bco + jnp.arange(bco, dtype=jnp.int32)
     ci_ok, co_ok = ci < g.c_in, co < g.c_out

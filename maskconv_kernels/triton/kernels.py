@@ -1,8 +1,11 @@
 """The Triton kernels: forward, input gradient and weight gradient of a 2-D masked conv.
 
 Every kernel is an implicit GEMM whose reduction runs over the *active* taps only:
-``TAPS`` is a ``tl.constexpr`` tuple of ``(kh, kw, flat_tap)`` triples and the tap loop
-is a ``tl.static_range``, so a masked tap has no load, no product and no code at all.
+``TAPS`` is a ``tl.constexpr`` tuple of ``(kh, kw, flat_tap)`` triples, and the forward
+and input gradient run one loop over (active tap, channel block) pairs whose tap is the
+``t``-th of ``TAPS`` (``_tap``), so a masked tap is never named: it has no load and no
+product. One flat loop, not one per tap, lets Triton pipeline loads across taps and
+keeps the code (and the compile time) independent of the number of taps.
 Borders, padding, strides and channel counts that are not block multiples are handled
 by masked loads (``other=0``) of *active* taps only; nothing is ever multiplied by a
 zeroed weight. Index arithmetic is int64 from the first program id on, so tensors beyond
@@ -25,6 +28,27 @@ __all__ = ["conv_fwd_kernel", "conv_dx_kernel", "conv_dw_kernel"]
 
 
 @triton.jit
+def _tap(t, TAPS: tl.constexpr, TAP_RUN: tl.constexpr, KW: tl.constexpr):
+    """``(kh, kw)`` of the ``t``-th active tap.
+
+    ``TAP_RUN >= 0``: the active taps are the raster run of flat indices ``TAP_RUN ..
+    TAP_RUN + len(TAPS) - 1`` (PixelCNN, causal and stack masks), a division. Otherwise
+    a chain of ``len(TAPS)`` scalar selects.
+    """
+    if TAP_RUN >= 0:
+        f = t + TAP_RUN
+        kh = f // KW
+        kw = f % KW
+    else:
+        kh = t * 0
+        kw = t * 0
+        for i in tl.static_range(len(TAPS)):
+            kh = tl.where(t == i, TAPS[i][0], kh)
+            kw = tl.where(t == i, TAPS[i][1], kw)
+    return kh, kw
+
+
+@triton.jit
 def conv_fwd_kernel(
     x_ptr,  # [N, H, W, C_IN]
     w_ptr,  # [KH, KW, C_IN, C_OUT]
@@ -34,12 +58,15 @@ def conv_fwd_kernel(
     SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr,
     TAPS: tl.constexpr,  # ((kh, kw, kh * KW + kw), ...) active taps only
+    TAP_RUN: tl.constexpr,  # first flat tap when TAPS is a raster run, else -1
+    KW: tl.constexpr,  # window width
     PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee", "tf32" or "tf32x3"
     BLOCK_M: tl.constexpr,  # output pixels per program
     BLOCK_N: tl.constexpr,  # output channels per program
     BLOCK_K: tl.constexpr,  # input channels per dot
 ):
     """``y[m, co] = sum_{active taps} sum_ci x[pixel(m, tap), ci] * w[tap, ci, co]``; grid (M tiles, C_OUT tiles)."""
+    K_TILES: tl.constexpr = (C_IN + BLOCK_K - 1) // BLOCK_K
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     co = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < N * OH * OW
@@ -48,18 +75,18 @@ def conv_fwd_kernel(
     oh = (m // OW) % OH
     n = m // (OW * OH)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in tl.static_range(len(TAPS)):
-        ih = oh * SH - PH + TAPS[t][0] * DH
-        iw = ow * SW - PW + TAPS[t][1] * DW
+    for it in range(len(TAPS) * K_TILES):
+        kh, kw = _tap(it // K_TILES, TAPS, TAP_RUN, KW)
+        ih = oh * SH - PH + kh * DH
+        iw = ow * SW - PW + kw * DW
         ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         x_row = ((n * H + ih) * W + iw) * C_IN
-        w_tap = w_ptr + TAPS[t][2] * C_IN * C_OUT
-        for k0 in range(0, C_IN, BLOCK_K):
-            ci = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            ci_ok = ci < C_IN
-            a = tl.load(x_ptr + x_row[:, None] + ci[None, :], mask=ok[:, None] & ci_ok[None, :], other=0.0)
-            b = tl.load(w_tap + ci[:, None] * C_OUT + co[None, :], mask=ci_ok[:, None] & co_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        w_tap = w_ptr + (kh * KW + kw).to(tl.int64) * C_IN * C_OUT
+        ci = (it % K_TILES) * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
+        ci_ok = ci < C_IN
+        a = tl.load(x_ptr + x_row[:, None] + ci[None, :], mask=ok[:, None] & ci_ok[None, :], other=0.0)
+        b = tl.load(w_tap + ci[:, None] * C_OUT + co[None, :], mask=ci_ok[:, None] & co_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     out = y_ptr + m[:, None] * C_OUT + co[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & co_ok[None, :])
 
@@ -74,6 +101,8 @@ def conv_dx_kernel(
     SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr,
     TAPS: tl.constexpr,
+    TAP_RUN: tl.constexpr,
+    KW: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # input pixels per program
     BLOCK_N: tl.constexpr,  # input channels per program
@@ -87,6 +116,7 @@ def conv_dx_kernel(
     reachable only through masked taps matches no active tap and keeps its exact zero.
     Grid (input pixel tiles, C_IN tiles).
     """
+    K_TILES: tl.constexpr = (C_OUT + BLOCK_K - 1) // BLOCK_K
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     ci = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < N * H * W
@@ -95,9 +125,10 @@ def conv_dx_kernel(
     ih = (m // W) % H
     n = m // (W * H)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in tl.static_range(len(TAPS)):
-        th = ih + PH - TAPS[t][0] * DH
-        tw = iw + PW - TAPS[t][1] * DW
+    for it in range(len(TAPS) * K_TILES):
+        kh, kw = _tap(it // K_TILES, TAPS, TAP_RUN, KW)
+        th = ih + PH - kh * DH
+        tw = iw + PW - kw * DW
         # Guard the sign before dividing: integer division truncates toward zero.
         th = tl.where(th >= 0, th, -SH)
         tw = tl.where(tw >= 0, tw, -SW)
@@ -105,14 +136,13 @@ def conv_dx_kernel(
         ow = tw // SW
         ok = m_ok & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW) & (oh * SH == th) & (ow * SW == tw)
         dy_row = ((n * OH + oh) * OW + ow) * C_OUT
-        w_tap = w_ptr + TAPS[t][2] * C_IN * C_OUT
-        for k0 in range(0, C_OUT, BLOCK_K):
-            co = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-            co_ok = co < C_OUT
-            a = tl.load(dy_ptr + dy_row[:, None] + co[None, :], mask=ok[:, None] & co_ok[None, :], other=0.0)
-            # w[tap] read as its transpose [C_OUT block, C_IN block].
-            b = tl.load(w_tap + ci[None, :] * C_OUT + co[:, None], mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
-            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+        w_tap = w_ptr + (kh * KW + kw).to(tl.int64) * C_IN * C_OUT
+        co = (it % K_TILES) * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
+        co_ok = co < C_OUT
+        a = tl.load(dy_ptr + dy_row[:, None] + co[None, :], mask=ok[:, None] & co_ok[None, :], other=0.0)
+        # w[tap] read as its transpose [C_OUT block, C_IN block].
+        b = tl.load(w_tap + ci[None, :] * C_OUT + co[:, None], mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
     out = dx_ptr + m[:, None] * C_IN + ci[None, :]
     tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & ci_ok[None, :])
 
@@ -127,6 +157,8 @@ def conv_dw_kernel(
     SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
     PH: tl.constexpr, PW: tl.constexpr,
     TAPS: tl.constexpr,
+    TAP_RUN: tl.constexpr,
+    KW: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,  # input channels per program
     BLOCK_N: tl.constexpr,  # output channels per program
@@ -147,12 +179,7 @@ def conv_dw_kernel(
     co = (pid % n_co_tiles).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     ci_ok = ci < C_IN
     co_ok = co < C_OUT
-    # The tap of this program, selected from the static list (len(TAPS) scalar selects).
-    kh = j * 0
-    kw = j * 0
-    for t in tl.static_range(len(TAPS)):
-        kh = tl.where(j == t, TAPS[t][0], kh)
-        kw = tl.where(j == t, TAPS[t][1], kw)
+    kh, kw = _tap(j, TAPS, TAP_RUN, KW)
     start = s * CHUNK
     stop = tl.minimum(start + CHUNK, N * OH * OW)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

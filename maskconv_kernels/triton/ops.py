@@ -57,8 +57,15 @@ class Problem:
         return dict(
             N=self.n, H=self.h, W=self.w, C_IN=self.c_in, OH=self.oh, OW=self.ow, C_OUT=self.c_out,
             SH=self.strides[0], SW=self.strides[1], DH=self.dilation[0], DW=self.dilation[1],
-            PH=self.pad_lo[0], PW=self.pad_lo[1], TAPS=self.taps, PRECISION=self.precision,
+            PH=self.pad_lo[0], PW=self.pad_lo[1], TAPS=self.taps, TAP_RUN=self.tap_run, KW=self.window[1],
+            PRECISION=self.precision,
         )
+
+    @property
+    def tap_run(self) -> int:
+        """The first flat tap when the active taps are one raster run (computed, not searched), else -1."""
+        flat = [f for _, _, f in self.taps]
+        return flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) else -1
 
     def gemm(self, kind: str) -> tuple[int, int, int]:
         """(m, n, k) of the kernel ``kind``, as :func:`config.heuristic` takes them."""
@@ -120,7 +127,8 @@ def kernel_args(p: Problem, kind: str, c: Config) -> dict:
     Returns a dict with ``kernel`` (the ``triton.jit`` function), ``signature`` (every
     parameter name -> Triton type, ``"constexpr"`` for the static ones, as
     ``triton.compiler.ASTSource`` takes it), ``constexprs`` (name -> value), ``grid``,
-    ``out`` (``jax.ShapeDtypeStruct``) and ``options`` (``num_warps``, ``num_stages``).
+    ``out`` (``jax.ShapeDtypeStruct``), ``options`` (``num_warps``, ``num_stages``) and
+    ``attrs`` (the pointer alignment jax-triton declares, for ``ASTSource``).
     """
     x_t, o_t = np.dtype(p.dtype), np.dtype(p.out_dtype)
     consts = p.constexprs()
@@ -149,6 +157,9 @@ def kernel_args(p: Problem, kind: str, c: Config) -> dict:
     return dict(
         kernel=fn, signature=signature, constexprs=consts, grid=grid, out=out,
         options=dict(num_warps=c.num_warps, num_stages=c.num_stages),
+        # What jax-triton tells Triton about JAX's buffers: 16-byte aligned pointers.
+        # Without it Triton cannot prove a load vectorisable and emits scalar loads.
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))},
     )
 
 
