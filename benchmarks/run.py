@@ -401,6 +401,9 @@ def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta
             compiled[impl] = lowered.compile()
             row["compile_s"] = time.perf_counter() - t
             row.update(memory(compiled[impl]))
+            # On stderr as it happens: a cell cut short by a time limit still shows where the time went.
+            print(f"\n  {shape.name} {dtype_name} {mode} {impl}: lowered in {row['lower_s']:.1f} s, "
+                  f"compiled in {row['compile_s']:.1f} s", file=sys.stderr, flush=True)
         except Exception as e:  # report and carry on: one broken backend must not hide the rest
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
             compiled.pop(impl, None)

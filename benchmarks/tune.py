@@ -86,8 +86,12 @@ def time_fn(compiled, args, samples: int = 15, min_sample_s: float = 0.003) -> f
     return statistics.median(ts)
 
 
-def _compile_all(fns: dict, args: dict, workers: int = 8) -> dict:
-    """name -> compiled executable or the error's first line, compiled in parallel threads."""
+def _compile_all(fns: dict, args: dict, label: str, workers: int = 8) -> dict:
+    """name -> compiled executable or the error's first line, compiled in parallel threads.
+
+    Prints the wall time, so that a run cut short by its time limit still says where
+    the time went.
+    """
 
     def one(name):
         try:
@@ -95,12 +99,18 @@ def _compile_all(fns: dict, args: dict, workers: int = 8) -> dict:
         except Exception as e:  # noqa: BLE001 - a config that does not fit is a result, not a crash
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
+    t = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return dict(zip(fns, pool.map(one, fns)))
+        out = dict(zip(fns, pool.map(one, fns)))
+    print(f"  compiled {len(fns)} {label} in {time.perf_counter() - t:.1f} s", flush=True)
+    return out
 
 
-def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: bool = False) -> list[dict]:
-    """Rows of timings for one shape and dtype; ``cpu_check``: tiny batch, interpreted (tests this script)."""
+def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: bool = False, flush=None) -> list[dict]:
+    """Rows of timings for one shape and dtype; ``cpu_check``: tiny batch, interpreted (tests this script).
+
+    ``flush(rows)`` is called after every kernel's rows, so a run cut short keeps them.
+    """
     dtype = DTYPES[dtype_name]
     batch = 1 if cpu_check else shape.batch
     kx, kk, kd = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -118,6 +128,8 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
         else:
             r["error"] = seconds
         rows.append(r)
+        if flush is not None:
+            flush(rows)
 
     # cuDNN's three pieces (and a whole step) of the leaky baseline.
     leaky = lambda x, k: mk.leaky_masked_conv(x, k, shape.mask, **shape.conv_args)
@@ -127,7 +139,7 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
         "dw": lambda x, k, dy: jax.vjp(lambda k: leaky(x, k), k)[1](dy),
         "step": lambda x, k, dy: (lambda y, pull: (y, pull(dy)))(*jax.vjp(leaky, x, k)),
     }
-    compiled = _compile_all(base_fns, {n: (x, k, dy) for n in base_fns})
+    compiled = _compile_all(base_fns, {n: (x, k, dy) for n in base_fns}, f"{shape.name} {dtype_name} cuDNN")
     for kind, c in compiled.items():
         row("baseline", kind, c if isinstance(c, str) else time_fn(c, (x, k, dy)))
 
@@ -146,7 +158,7 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
                 raise NotImplementedError("tune.py times the 2-D acceptance shapes")
             fns[cand] = _pallas_fn(kind, g, cpu_check)
             args[cand] = (x, k, dy)
-        compiled = _compile_all(fns, args)
+        compiled = _compile_all(fns, args, f"{shape.name} {dtype_name} Pallas {kind} tiles")
         for cand, c in compiled.items():
             t = c if isinstance(c, str) else time_fn(c, (x, k, dy))
             row("pallas", kind, t, tile=list(cand), default=cand == gemm_of(kind, default))
@@ -163,7 +175,9 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
         if time.perf_counter() > deadline:
             break
         try:
+            t0 = time.perf_counter()
             best = triton_ops._select(kind, p)
+            print(f"  autotuned Triton {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
             timings = triton_ops.timings().get((kind, p), {})
             c = jax.jit(lambda *a, kind=kind, best=best: triton_ops._launch(kind, p, best, *a))
             t = time_fn(c, launch[kind])
@@ -232,8 +246,10 @@ def main(argv=None) -> int:
         for shape in BAR_SHAPES:
             if time.perf_counter() > deadline:
                 break
-            rows += tune_shape(shape, dtype_name, deadline, args.cpu_check)
-            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            done = list(rows)
+            write = lambda new, done=done: Path(args.out).write_text(
+                json.dumps({"meta": meta, "rows": done + new}, indent=1))
+            rows += tune_shape(shape, dtype_name, deadline, args.cpu_check, flush=write)
             print(table([r for r in rows if r["shape"] == shape.name and r["dtype"] == dtype_name]), flush=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

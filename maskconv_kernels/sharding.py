@@ -29,11 +29,16 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-__all__ = ["NATIVE_SPMD", "partitioned_masked_conv", "batch_partitioned", "spatially_sharded_masked_conv", "halo_rows"]
+__all__ = ["NATIVE_SPMD", "HOST_INTERPRETED", "partitioned_masked_conv", "batch_partitioned", "spatially_sharded_masked_conv", "halo_rows"]
 
 # Backends built from XLA ops only: XLA partitions them itself (and across any axis, not
 # only the batch), so wrapping them would only take options away from the partitioner.
 NATIVE_SPMD = frozenset({"xla"})
+# Backends whose interpret mode is a host callback (jax.pure_callback): the Triton
+# interpreter. Host code gains nothing from partitioning, and a pure_callback inside
+# custom_partitioning segfaults on several CPU devices (jax 0.10.2 and 0.12.0), so those
+# calls are left to XLA unpartitioned.
+HOST_INTERPRETED = frozenset({"triton"})
 
 
 def partitioned_masked_conv(implementation: str, module, x, kernel, spec, *, interpret: bool):
@@ -41,7 +46,7 @@ def partitioned_masked_conv(implementation: str, module, x, kernel, spec, *, int
 
     The hook :func:`maskconv_kernels.masked_conv` calls for every backend.
     """
-    if implementation in NATIVE_SPMD:
+    if implementation in NATIVE_SPMD or (interpret and implementation in HOST_INTERPRETED):
         return module.masked_conv(x, kernel, spec, interpret=interpret)
 
     def conv(x, kernel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 
 import jax
 import numpy as np
@@ -57,14 +58,18 @@ BACKENDS = {
     # The Pallas kernels, run by the Pallas interpreter: what CI checks on CPU.
     "pallas_interpret": Backend("pallas", interpret=True),
 }
+if importlib.util.find_spec("triton") is not None:
+    # The Triton kernels, run by Triton's interpreter (a helper process; no jax-triton).
+    BACKENDS["triton_interpret"] = Backend("triton", interpret=True)
 if ON_GPU:
-    # Compiled kernels replace the (slow, redundant) interpreter there.
-    del BACKENDS["pallas_interpret"]
+    # Compiled kernels replace the (slow, redundant) interpreters there.
+    BACKENDS.pop("pallas_interpret")
+    BACKENDS.pop("triton_interpret", None)
     BACKENDS["pallas"] = Backend("pallas")
-    # Official Triton through jax-triton: compiled on GPUs only (no interpret mode).
+    # Official Triton through jax-triton.
     BACKENDS["triton"] = Backend("triton")
 # Backends too slow for large or many cases (interpret mode).
-SLOW_BACKENDS: set[str] = {"pallas_interpret"}
+SLOW_BACKENDS: set[str] = {"pallas_interpret", "triton_interpret"}
 
 
 @pytest.fixture(params=sorted(BACKENDS))

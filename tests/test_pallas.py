@@ -83,6 +83,53 @@ def test_highest_precision_reaches_the_kernel_dots():
     assert "HIGHEST" not in jaxpr(None)  # TF32 on GPUs: Triton's default for float32 dots
 
 
+def _kernel_jaxprs(jaxpr) -> dict:
+    """``{pallas_call name: kernel jaxpr}`` of every ``pallas_call`` in ``jaxpr``, however nested."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found[eqn.params["name"]] = eqn.params["jaxpr"]
+        for sub in _sub_jaxprs(eqn):
+            found.update(_kernel_jaxprs(sub))
+    return found
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def _count(jaxpr, primitive: str) -> int:
+    return sum((eqn.primitive.name == primitive) + sum(_count(s, primitive) for s in _sub_jaxprs(eqn))
+               for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [mk.pixelcnn_mask((7, 7), "A"), np.array([[1, 0, 1, 0, 1], [0, 1, 0, 1, 0], [1, 0, 0, 0, 0]], bool)],
+    ids=["7x7A_raster_run", "5x3_scattered"],
+)
+def test_kernel_code_does_not_grow_with_the_taps(mask):
+    """One dot per kernel, in one loop over (active tap, channel block): 24 taps, not 24 copies.
+
+    Unrolled per tap, the 7x7 type-A kernels took 7-10 s each to compile for sm_90, and
+    the first H200 check spent its whole time limit compiling
+    (benchmarks/results/h200-2026-11-30-first-run).
+    """
+    x = jax.ShapeDtypeStruct((2, 16, 16, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((*mask.shape, 64, 64), jnp.bfloat16)
+    spec = make_spec(x, k, mask)
+    loss = lambda x, k: pallas.masked_conv(x, k, spec, platform="gpu").astype(jnp.float32).sum()
+    kernels = _kernel_jaxprs(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, k).jaxpr)
+    assert set(kernels) == set(KERNEL_NAMES)
+    for name, kernel in kernels.items():
+        assert _count(kernel, "dot_general") == 1, name
+
+
 _SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
 TILE_CASES = {
     # 2 * 12 * 11 output pixels in blocks of 16 are 17 reduction blocks: the weight

@@ -73,9 +73,12 @@ def _runs_on_cpu(name) -> bool:
     return _api_backend(name).unsupported(spec, "cpu", True) is None
 
 
-# Every registered backend that runs on CPUs (interpret mode for kernel backends; Triton
-# runs on NVIDIA GPUs only), plus "xla" through the wrapper the kernel backends get.
-DATA_PARALLEL = [name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name)] + ["xla-as-kernel"]
+# Every registered backend that runs on CPUs (interpret mode for kernel backends), plus
+# "xla" through the wrapper the kernel backends get. Interpreters that are host callbacks
+# (Triton's) are not partitioned at all (sharding.HOST_INTERPRETED says why).
+DATA_PARALLEL = [
+    name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name) and name not in sharding.HOST_INTERPRETED
+] + ["xla-as-kernel"]
 
 
 def _mesh(shape, names, axis_type):

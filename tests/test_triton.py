@@ -2,8 +2,9 @@
 
 On a CPU-only machine every Triton kernel is compiled to a cubin for Hopper
 (``GPUTarget("cuda", 90, 32)``), which catches type, shape and constexpr errors without
-a GPU; numerics run on GPUs only, through the shared suite (``conftest.BACKENDS``
-gains ``"triton"`` there) and the GPU tests at the end of this file.
+a GPU, and the shared suites run the same kernels in Triton's interpreter
+(``conftest.BACKENDS["triton_interpret"]``) for their numerics and exactness. On GPUs
+the suites run them compiled (``"triton"``), with the GPU tests at the end of this file.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 triton = pytest.importorskip(
     "triton", reason="the Triton backend's tests need triton: pip install 'maskconv-kernels[triton]' (Linux)"
 )
+from conftest import random  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import maskconv_kernels as mk  # noqa: E402
@@ -29,7 +31,9 @@ from maskconv_kernels.triton import config, ops  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(
-    not ON_GPU, reason="Triton kernels run only compiled on an NVIDIA GPU; on CPU they are compile-checked above"
+    not ON_GPU,
+    reason="compiled Triton kernels run on an NVIDIA GPU only; on CPU they are compile-checked, and the shared "
+    "suites run them in Triton's interpreter (triton_interpret)",
 )
 
 
@@ -144,9 +148,21 @@ def test_full_mask_without_partial_taps_is_supported():
     assert mk_triton.unsupported(_spec((1, 6, 6, 3), (3, 3, 3, 5), full), "gpu") is None
 
 
-def test_no_interpret_mode():
+def test_interpret_mode_runs_on_any_platform():
     spec = _spec((1, 8, 8, 3), (3, 3, 3, 6), mk.pixelcnn_mask((3, 3)))
-    assert "interpret mode" in mk_triton.unsupported(spec, "gpu", interpret=True)
+    assert mk_triton.unsupported(spec, "cpu", interpret=True) is None
+    assert "NVIDIA GPUs only" in mk_triton.unsupported(spec, "cpu", interpret=False)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter is what CI runs without a GPU")
+def test_interpreter_writes_every_output_element():
+    """Interpreted outputs start as NaN: an element a kernel does not write would show."""
+    x = random(0, (2, 5, 7, 3))
+    k = random(1, (3, 3, 3, 20))
+    mask = mk.pixelcnn_mask((3, 3), "B")
+    y, vjp = jax.vjp(lambda x, k: mk.masked_conv(x, k, mask, implementation="triton", interpret=True), x, k)
+    for out in (y, *vjp(random(2, y.shape))):
+        assert np.isfinite(np.asarray(out)).all()
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the error on a machine without a GPU")

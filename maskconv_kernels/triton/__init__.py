@@ -9,7 +9,9 @@ Modules: :mod:`.kernels` (the ``triton.jit`` kernels), :mod:`.config` (block siz
 heuristic, autotune list), :mod:`.ops` (jax-triton launches, autotune, custom VJP).
 Importing this package imports neither ``triton`` nor ``jax_triton``: they are needed
 (``pip install maskconv-kernels[triton]``) only to run or compile the kernels.
-Selected explicitly with ``implementation="triton"``.
+Selected explicitly with ``implementation="triton"``; with ``interpret=True`` the same
+kernels run in Triton's interpreter on any host (:mod:`.interpret`), which is how CI
+checks them without a GPU.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from ..spec import ConvSpec
 __all__ = ["masked_conv", "unsupported"]
 
 
-def _missing_dependency() -> str | None:
-    for module, package in (("triton", "triton"), ("jax_triton", "jax-triton")):
+def _missing_dependency(interpret: bool) -> str | None:
+    needed = (("triton", "triton"),) if interpret else (("triton", "triton"), ("jax_triton", "jax-triton"))
+    for module, package in needed:
         if importlib.util.find_spec(module) is None:
             return (
                 f"the {package} package is not installed: pip install 'maskconv-kernels[triton]' "
@@ -47,11 +50,12 @@ def unsupported(spec: ConvSpec, platform: str, interpret: bool = False) -> str |
         )
     if np.dtype(spec.acc_dtype) != np.float32:
         return f"{spec.acc_dtype} accumulation (float64 inputs); the Triton kernels take float32, bfloat16 or float16"
-    if interpret:
-        return "interpret mode (jax-triton launches compiled Triton kernels on NVIDIA GPUs only)"
-    if platform not in ("gpu", "cuda"):
-        return f"platform {platform!r} (the Triton kernels run on NVIDIA GPUs only)"
-    return _missing_dependency()
+    if not interpret and platform not in ("gpu", "cuda"):
+        return (
+            f"platform {platform!r} (the Triton kernels run on NVIDIA GPUs only; interpret=True runs them "
+            "in Triton's interpreter on any host, slowly)"
+        )
+    return _missing_dependency(interpret)
 
 
 def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, *, interpret: bool = False) -> jax.Array:
@@ -61,14 +65,13 @@ def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, *, interpret: b
       x: ``[N, *spatial, C_in]``, 1 or 2 spatial dims; float32, bfloat16 or float16.
       kernel: ``[*window, C_in, C_out]``, same dtype as ``x``.
       spec: the validated problem; :func:`unsupported` must have accepted it.
-      interpret: must be False (there is no interpret mode); accepted for the backend interface.
+      interpret: run the same kernels in Triton's interpreter on the host (any platform,
+        slow; needs ``triton`` but not jax-triton): what CI tests on CPU.
 
     Returns:
       ``[N, *out_spatial, C_out]`` in ``spec.out_dtype``, accumulated in float32;
       differentiable in ``x`` and ``kernel`` through the Triton gradient kernels.
     """
-    if interpret:
-        raise NotImplementedError(unsupported(spec, "gpu", interpret=True))
-    from . import ops  # imports triton; jax_triton is imported at the first launch
+    from . import ops  # imports triton; jax_triton is imported at the first compiled launch
 
-    return ops.conv(x, kernel, spec)
+    return ops.conv(x, kernel, spec, interpret)

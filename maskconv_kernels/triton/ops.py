@@ -1,7 +1,7 @@
 """Launching the Triton kernels from JAX: the problem, jax-triton calls, autotune, custom VJP.
 
 Imports ``triton`` (through :mod:`.kernels`) at module import and ``jax_triton`` at the
-first launch; :mod:`maskconv_kernels.triton` imports this module only when it runs or
+first compiled launch (interpreted launches, :mod:`.interpret`, need only ``triton``); :mod:`maskconv_kernels.triton` imports this module only when it runs or
 compiles a kernel, so the core package never needs either.
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Problem:
     precision: str  # tl.dot input_precision
     dtype: str  # x and kernel
     out_dtype: str
+    interpret: bool = False  # run in Triton's interpreter on the host (see .interpret)
 
     def constexprs(self) -> dict:
         return dict(
@@ -89,7 +90,7 @@ def _input_precision(precision, dtype: np.dtype) -> str:
     return "tf32"
 
 
-def problem(spec: ConvSpec, batch: int, dtype) -> Problem:
+def problem(spec: ConvSpec, batch: int, dtype, interpret: bool = False) -> Problem:
     """The kernels' view of ``spec`` for a batch of ``batch`` inputs of ``dtype``."""
     dtype = np.dtype(dtype)
     if spec.ndim == 1:  # a 1-D problem is a 2-D one with one row: H = KH = 1, tap row 0, no row padding
@@ -106,7 +107,7 @@ def problem(spec: ConvSpec, batch: int, dtype) -> Problem:
         pad_lo=zeros(tuple(lo for lo, _ in spec.padding)),
         window=window, taps=taps,
         precision=_input_precision(spec.precision, dtype),
-        dtype=dtype.name, out_dtype=np.dtype(spec.out_dtype).name,
+        dtype=dtype.name, out_dtype=np.dtype(spec.out_dtype).name, interpret=interpret,
     )
 
 
@@ -175,9 +176,13 @@ def _out_keyword() -> str:
 
 
 def _launch(kind: str, p: Problem, c: Config, *arrays):
+    a = kernel_args(p, kind, c)
+    if p.interpret:
+        from . import interpret
+
+        return interpret.launch(a, *arrays)
     import jax_triton
 
-    a = kernel_args(p, kind, c)
     return jax_triton.triton_call(
         *arrays,
         kernel=a["kernel"],
@@ -205,22 +210,28 @@ def _select(kind: str, p: Problem) -> Config:
     m, n, k = p.gemm(kind)
     itemsize = np.dtype(p.dtype).itemsize
     configs = _config.candidates(kind, m, n, k, itemsize, len(p.taps))
-    best = configs[0] if not _config.autotune_enabled() or len(configs) == 1 else _time(kind, p, configs)
+    timed = _config.autotune_enabled() and len(configs) > 1 and not p.interpret
+    best = _time(kind, p, configs) if timed else configs[0]
     _config._TUNED[key] = best
     return best
 
 
-def _time(kind: str, p: Problem, configs: list[Config], repeats: int = 5) -> Config:
+def _time(kind: str, p: Problem, configs: list[Config], samples: int = 3, calls: int = 5) -> Config:
     """Times every candidate on this device and returns the fastest.
 
     Runs at trace time (the first launch of a problem), outside the trace being built,
-    on placeholder operands of the right shapes. A candidate that fails to compile (too
-    much shared memory for this GPU, say) is skipped, as ``triton.autotune`` prunes
-    configs that run out of resources; if all fail, the first error is raised.
+    on random operands of the right shapes (never constants: they can run faster than
+    real data). A sample is ``calls`` back-to-back launches and one block, so launch
+    latency is not what is measured; the best of ``samples`` counts. A candidate that
+    fails to compile (too much shared memory for this GPU, say) is skipped, as
+    ``triton.autotune`` prunes configs that run out of resources; if all fail, the first
+    error is raised.
     """
     timings, first_error = {}, None
     with jax.ensure_compile_time_eval():
-        args = [jnp.ones(shape, dtype) for shape, dtype in _operands(kind, p)]
+        keys = jax.random.split(jax.random.PRNGKey(0), 2)
+        args = [jax.random.normal(key, shape, jnp.float32).astype(dtype)
+                for key, (shape, dtype) in zip(keys, _operands(kind, p))]
         for c in configs:
             fn = jax.jit(functools.partial(_launch, kind, p, c))
             try:
@@ -229,10 +240,12 @@ def _time(kind: str, p: Problem, configs: list[Config], repeats: int = 5) -> Con
                 first_error = first_error or e
                 continue
             best = math.inf
-            for _ in range(repeats):
+            for _ in range(samples):
                 t0 = time.perf_counter()
-                jax.block_until_ready(fn(*args))
-                best = min(best, time.perf_counter() - t0)
+                for _ in range(calls):
+                    out = fn(*args)
+                jax.block_until_ready(out)
+                best = min(best, (time.perf_counter() - t0) / calls)
             timings[c] = best
     if not timings:
         raise first_error
@@ -271,35 +284,80 @@ def _weight_grad(x, dy, p: Problem):
     return full.reshape(*p.window, p.c_in, p.c_out).astype(p.dtype)
 
 
+# The forward, the input gradient and the weight gradient are three linear maps, each
+# under its own custom VJP built from the other two (as in the Pallas backend), so
+# gradients of gradients run the same kernels; a kernel launch itself has no derivative,
+# so the forward rules call the custom-VJP functions too, never a bare launch.
+#   y  = _conv(x, w):     dx = _conv_dx(dy, w),    dw = _conv_dw(x, dy)
+#   dx = _conv_dx(dy, w): d dy = _conv(ddx, w),    dw = _conv_dw(ddx, dy)
+#   dw = _conv_dw(x, dy): dx = _conv_dx(dy, ddw),  d dy = _conv(x, ddw)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _conv(x, w, p: Problem):
     return _forward(x, w, p)
 
 
 def _conv_fwd(x, w, p: Problem):
-    return _forward(x, w, p), (x, w)
+    return _conv(x, w, p), (x, w)
 
 
 def _conv_bwd(p: Problem, residuals, dy):
     x, w = residuals
-    return _input_grad(dy, w, p), _weight_grad(x, dy, p)
+    return _conv_dx(dy, w, p), _conv_dw(x, dy, p)
 
 
 _conv.defvjp(_conv_fwd, _conv_bwd)
 
 
-def conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv_dx(dy, w, p: Problem):
+    return _input_grad(dy, w, p)
+
+
+def _conv_dx_fwd(dy, w, p: Problem):
+    return _conv_dx(dy, w, p), (dy, w)
+
+
+def _conv_dx_bwd(p: Problem, residuals, ddx):
+    dy, w = residuals
+    return _conv(ddx, w, p), _conv_dw(ddx, dy, p)
+
+
+_conv_dx.defvjp(_conv_dx_fwd, _conv_dx_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _conv_dw(x, dy, p: Problem):
+    return _weight_grad(x, dy, p)
+
+
+def _conv_dw_fwd(x, dy, p: Problem):
+    return _conv_dw(x, dy, p), (x, dy)
+
+
+def _conv_dw_bwd(p: Problem, residuals, ddw):
+    x, dy = residuals
+    # The weight gradient only has active taps; its transpose reads only those of ddw.
+    return _conv_dx(dy, ddw, p), _conv(x, ddw, p)
+
+
+_conv_dw.defvjp(_conv_dw_fwd, _conv_dw_bwd)
+
+
+def conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, interpret: bool = False) -> jax.Array:
     """Masked convolution through the Triton kernels (forward and both gradients).
 
     Args:
       x: ``[N, *spatial, C_in]`` with 1 or 2 spatial dims; float32, bfloat16 or float16.
       kernel: ``[*window, C_in, C_out]``, same dtype as ``x``.
       spec: a problem :func:`maskconv_kernels.triton.unsupported` accepts.
+      interpret: run the kernels in Triton's interpreter on the host (tests; slow).
 
     Returns:
       ``[N, *out_spatial, C_out]`` in ``spec.out_dtype``, accumulated in float32.
     """
-    p = problem(spec, x.shape[0], x.dtype)
+    p = problem(spec, x.shape[0], x.dtype, interpret)
     out_shape = (x.shape[0], *spec.out_spatial, spec.c_out)
     if 0 in x.shape or 0 in kernel.shape or not p.taps:
         # Every output is an empty sum: exact zeros, and zero gradients, with nothing read.
