@@ -196,6 +196,22 @@ def test_candidates_start_with_the_heuristic_and_are_distinct(kind):
     assert len(set(cands)) == len(cands) >= 2
 
 
+@pytest.mark.parametrize(
+    "version, params, expected",
+    [
+        ("0.3", {"out_shape", "enable_fp_fusion", "num_warps"}, {"out_shape": "OUT", "enable_fp_fusion": True}),
+        ("0.4", {"out_type", "backend_options", "num_warps"},
+         {"out_type": "OUT", "backend_options": {"enable_fp_fusion": True}}),
+    ],
+)
+def test_triton_call_keywords_follow_the_jax_triton_version(monkeypatch, version, params, expected):
+    """0.3.x (the release for triton 3.6) and 0.4+ name the output and the fusion option differently."""
+    monkeypatch.setattr(ops, "_call_parameters", lambda: frozenset(params))
+    options = dict(num_warps=4, num_stages=3, enable_fp_fusion=True)
+    assert ops._call_keywords("OUT", options) == {**expected, "num_warps": 4, "num_stages": 3}
+    assert options["enable_fp_fusion"] is True  # the caller's dict is left alone
+
+
 def test_weight_gradient_splits_cover_every_pixel_once():
     x = jax.ShapeDtypeStruct((3, 11, 13, 4), np.float32)
     k = jax.ShapeDtypeStruct((3, 3, 4, 5), np.float32)

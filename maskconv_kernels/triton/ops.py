@@ -157,7 +157,10 @@ def kernel_args(p: Problem, kind: str, c: Config) -> dict:
     signature.update({name: "constexpr" for name in fn.arg_names[len(ptrs):]})
     return dict(
         kernel=fn, signature=signature, constexprs=consts, grid=grid, out=out,
-        options=dict(num_warps=c.num_warps, num_stages=c.num_stages),
+        # Fusion on, stated rather than defaulted: it is jax-triton's default at launch, so
+        # the compile test builds the kernel that runs (and triton 3.9 warns when it is left
+        # unset, as its default will change). Our float math is the dots and casts.
+        options=dict(num_warps=c.num_warps, num_stages=c.num_stages, enable_fp_fusion=True),
         # What jax-triton tells Triton about JAX's buffers: 16-byte aligned pointers.
         # Without it Triton cannot prove a load vectorisable and emits scalar loads.
         attrs={(i,): [["tt.divisibility", 16]] for i in range(len(ptrs))},
@@ -168,11 +171,28 @@ def kernel_args(p: Problem, kind: str, c: Config) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _out_keyword() -> str:
-    """jax-triton 0.4 renamed ``out_shape=`` to ``out_type=`` (0.3.x, needed for triton 3.6, has only the former)."""
+def _call_parameters() -> frozenset:
     import jax_triton
 
-    return "out_type" if "out_type" in inspect.signature(jax_triton.triton_call).parameters else "out_shape"
+    return frozenset(inspect.signature(jax_triton.triton_call).parameters)
+
+
+def _call_keywords(out, options: dict) -> dict:
+    """``triton_call`` keywords for the output and compile options, across jax-triton versions.
+
+    jax-triton 0.4 renamed ``out_shape=`` to ``out_type=`` and moved compiler options
+    such as ``enable_fp_fusion`` from keywords into ``backend_options=`` (0.3.x, the
+    release that fits triton 3.6, has only the former of each).
+    """
+    params = _call_parameters()
+    options = dict(options)
+    keywords = {"out_type" if "out_type" in params else "out_shape": out}
+    fusion = options.pop("enable_fp_fusion")
+    if "enable_fp_fusion" in params:
+        keywords["enable_fp_fusion"] = fusion
+    else:
+        keywords["backend_options"] = {"enable_fp_fusion": fusion}
+    return {**keywords, **options}
 
 
 def _launch(kind: str, p: Problem, c: Config, *arrays):
@@ -188,8 +208,7 @@ def _launch(kind: str, p: Problem, c: Config, *arrays):
         kernel=a["kernel"],
         grid=a["grid"],
         name=f"maskconv_triton_{kind}",
-        **{_out_keyword(): a["out"]},
-        **a["options"],
+        **_call_keywords(a["out"], a["options"]),
         **a["constexprs"],
     )
 
