@@ -130,6 +130,46 @@ def test_kernel_code_does_not_grow_with_the_taps(mask):
         assert _count(kernel, "dot_general") == 1, name
 
 
+@pytest.mark.parametrize("window, mask_type", [((7, 7), "A"), ((3, 3), "B")])
+def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeypatch, tmp_path):
+    """bf16, N=64, 32x32, C=256: every kernel's loads are pipelined ``cp.async`` feeding ``wgmma``.
+
+    The Triton IR that jax's Pallas lowering hands to XLA, captured and compiled for
+    sm_90 by the ``triton`` package, as XLA would on an H200. It guards what a small
+    change can silently lose: clamping the channel index once turned the x and dy
+    gathers into scalar loads with no pipelining (benchmarks/results/h200-2026-11-30-first-run).
+    """
+    triton = pytest.importorskip("triton", reason="compiling the Pallas kernels' Triton IR needs triton")
+    from jax._src.pallas.triton import lowering  # the one place jax exposes the Triton module it lowers to
+    from triton.backends.compiler import GPUTarget
+
+    modules = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    x = jnp.zeros((64, 32, 32, 256), jnp.bfloat16)
+    k = jnp.zeros((*window, 256, 256), jnp.bfloat16)
+    spec = make_spec(x, k, mk.pixelcnn_mask(window, mask_type))
+    loss = lambda x, k: pallas.masked_conv(x, k, spec, platform="gpu").astype(jnp.float32).sum()
+    _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
+    assert len(modules) == 3, len(modules)
+    blocks = BlockSizes.get_default(spec, jnp.bfloat16)
+    for i, module in enumerate(modules):
+        path = tmp_path / f"kernel{i}.ttir"
+        path.write_text(module)
+        # Fusion as XLA compiles Pallas kernels (on), stated: triton 3.9 warns when unset.
+        options = dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages, enable_fp_fusion=True)
+        ptx = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
+        assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
+        assert "wgmma.mma_async" in ptx, f"kernel {i}: no Hopper warp-group MMA"
+
+
 _SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
 TILE_CASES = {
     # 2 * 12 * 11 output pixels in blocks of 16 are 17 reduction blocks: the weight
