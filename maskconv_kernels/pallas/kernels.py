@@ -196,6 +196,42 @@ def _tap_loop(taps, trips: int, kw: int, step, acc):
     return lax.fori_loop(0, len(taps) * trips, body, acc)
 
 
+def _sum_over_pieces(g: Geometry, trips: int, step, shape):
+    """float32 ``sum step(th, tw, j[, piece])`` over every active tap and reduction block ``j``.
+
+    Taps active for all channel pairs share one loop (:func:`_tap_loop`); each piece of a
+    channel-partial tap gets static code of its own, so its masked entries have none.
+    """
+    acc = _tap_loop(_plain_taps(g), trips, g.window[1], step, jnp.zeros(shape, jnp.float32))
+    for piece in _partial_pieces(g):
+        acc = _loop(trips, lambda j, acc, piece=piece: acc + step(*piece.tap, j, piece), acc)
+    return acc
+
+
+def _pixel_tiled(kernel, name: str, a, k_pad, g: Geometry, hw, channels: int, block_channels: int, dtype,
+                 interpret: bool):
+    """A kernel whose program writes one ``[block_pixels, block_channels]`` tile of ``[N, *hw, channels]``.
+
+    ``a`` (``x`` or ``dy``) and ``k_pad`` are whole-array operands the kernel gathers
+    from; the output is written as whole tiles of an array padded to them, then sliced.
+    """
+    b = g.blocks
+    batch, pixels = a.shape[0], hw[0] * hw[1]
+    channels_pad = _round_up(channels, block_channels)
+    grid = (batch, _cdiv(pixels, b.block_pixels), channels_pad // block_channels)
+    out = _pallas_call(
+        functools.partial(kernel, g=g),
+        name=name,
+        grid=grid,
+        in_specs=[_full_block(a.shape), _full_block(k_pad.shape)],
+        out_specs=pl.BlockSpec((pl.Squeezed(), b.block_pixels, block_channels), lambda n, i, j: (n, i, j)),
+        out_shape=jax.ShapeDtypeStruct((batch, grid[1] * b.block_pixels, channels_pad), dtype),
+        blocks=b,
+        interpret=interpret,
+    )(a, k_pad)
+    return out[:, :pixels, :channels].reshape(batch, *hw, channels)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -238,29 +274,13 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
             prod = jnp.where(_member(co, piece.out_runs)[None, :], prod, 0.0)
         return prod
 
-    acc = _tap_loop(_plain_taps(g), trips, g.window[1], step, jnp.zeros((bp, bco), jnp.float32))
-    for piece in _partial_pieces(g):  # static code per piece: masked entries have none
-        acc = _loop(trips, lambda j, acc, piece=piece: acc + step(*piece.tap, j, piece), acc)
-    y_ref[...] = acc.astype(y_ref.dtype)
+    y_ref[...] = _sum_over_pieces(g, trips, step, (bp, bco)).astype(y_ref.dtype)
 
 
 def forward(x, k_pad, g: Geometry, out_dtype, interpret: bool):
     """``y: [N, OH, OW, C_out]`` from ``x: [N, H, W, C_in]``, accumulated in float32."""
-    b = g.blocks
-    batch = x.shape[0]
-    pixels = g.out_hw[0] * g.out_hw[1]
-    grid = (batch, _cdiv(pixels, b.block_pixels), g.c_out_pad // b.block_c_out)
-    y = _pallas_call(
-        functools.partial(_forward_kernel, g=g),
-        name="maskconv_fwd",
-        grid=grid,
-        in_specs=[_full_block(x.shape), _full_block(k_pad.shape)],
-        out_specs=pl.BlockSpec((pl.Squeezed(), b.block_pixels, b.block_c_out), lambda n, i, j: (n, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, grid[1] * b.block_pixels, g.c_out_pad), out_dtype),
-        blocks=b,
-        interpret=interpret,
-    )(x, k_pad)
-    return y[:, :pixels, : g.c_out].reshape(batch, *g.out_hw, g.c_out)
+    return _pixel_tiled(_forward_kernel, "maskconv_fwd", x, k_pad, g, g.out_hw, g.c_out, g.blocks.block_c_out,
+                        out_dtype, interpret)
 
 
 # --------------------------------------------------------------------------- input gradient
@@ -321,29 +341,13 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
             prod = jnp.where(_member(ci, piece.in_runs)[None, :], prod, 0.0)
         return prod
 
-    acc = _tap_loop(_plain_taps(g), trips, g.window[1], step, jnp.zeros((bp, bci), jnp.float32))
-    for piece in _partial_pieces(g):
-        acc = _loop(trips, lambda j, acc, piece=piece: acc + step(*piece.tap, j, piece), acc)
-    dx_ref[...] = acc.astype(dx_ref.dtype)
+    dx_ref[...] = _sum_over_pieces(g, trips, step, (bp, bci)).astype(dx_ref.dtype)
 
 
 def input_grad(dy, k_pad, g: Geometry, dx_dtype, interpret: bool):
     """``dx: [N, H, W, C_in]`` from ``dy: [N, OH, OW, C_out]``."""
-    b = g.blocks
-    batch = dy.shape[0]
-    pixels = g.in_hw[0] * g.in_hw[1]
-    grid = (batch, _cdiv(pixels, b.block_pixels), g.c_in_pad // b.block_c_in)
-    dx = _pallas_call(
-        functools.partial(_input_grad_kernel, g=g),
-        name="maskconv_bwd_input",
-        grid=grid,
-        in_specs=[_full_block(dy.shape), _full_block(k_pad.shape)],
-        out_specs=pl.BlockSpec((pl.Squeezed(), b.block_pixels, b.block_c_in), lambda n, i, j: (n, i, j)),
-        out_shape=jax.ShapeDtypeStruct((batch, grid[1] * b.block_pixels, g.c_in_pad), dx_dtype),
-        blocks=b,
-        interpret=interpret,
-    )(dy, k_pad)
-    return dx[:, :pixels, : g.c_in].reshape(batch, *g.in_hw, g.c_in)
+    return _pixel_tiled(_input_grad_kernel, "maskconv_bwd_input", dy, k_pad, g, g.in_hw, g.c_in, g.blocks.block_c_in,
+                        dx_dtype, interpret)
 
 
 # --------------------------------------------------------------------------- weight gradient

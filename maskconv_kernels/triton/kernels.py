@@ -49,6 +49,20 @@ def _tap(t, TAPS: tl.constexpr, TAP_RUN: tl.constexpr, KW: tl.constexpr):
 
 
 @triton.jit
+def _block(pid, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``pid`` of ``range(SIZE)`` in int64, and which of its lanes are in range."""
+    idx = tl.cast(pid, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    return idx, idx < SIZE
+
+
+@triton.jit
+def _pixels(pid, N: tl.constexpr, H: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Block ``pid`` of the ``N * H * W`` flat pixels: (flat index, in range, image, row, column)."""
+    m, m_ok = _block(pid, N * H * W, BLOCK)
+    return m, m_ok, m // (W * H), (m // W) % H, m % W
+
+
+@triton.jit
 def conv_fwd_kernel(
     x_ptr,  # [N, H, W, C_IN]
     w_ptr,  # [KH, KW, C_IN, C_OUT]
@@ -67,13 +81,8 @@ def conv_fwd_kernel(
 ):
     """``y[m, co] = sum_{active taps} sum_ci x[pixel(m, tap), ci] * w[tap, ci, co]``; grid (M tiles, C_OUT tiles)."""
     K_TILES: tl.constexpr = (C_IN + BLOCK_K - 1) // BLOCK_K
-    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    co = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < N * OH * OW
-    co_ok = co < C_OUT
-    ow = m % OW
-    oh = (m // OW) % OH
-    n = m // (OW * OH)
+    m, m_ok, n, oh, ow = _pixels(tl.program_id(0), N, OH, OW, BLOCK_M)
+    co, co_ok = _block(tl.program_id(1), C_OUT, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(len(TAPS) * K_TILES):
         kh, kw = _tap(it // K_TILES, TAPS, TAP_RUN, KW)
@@ -82,8 +91,7 @@ def conv_fwd_kernel(
         ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
         x_row = ((n * H + ih) * W + iw) * C_IN
         w_tap = w_ptr + (kh * KW + kw).to(tl.int64) * C_IN * C_OUT
-        ci = (it % K_TILES) * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
-        ci_ok = ci < C_IN
+        ci, ci_ok = _block(it % K_TILES, C_IN, BLOCK_K)
         a = tl.load(x_ptr + x_row[:, None] + ci[None, :], mask=ok[:, None] & ci_ok[None, :], other=0.0)
         b = tl.load(w_tap + ci[:, None] * C_OUT + co[None, :], mask=ci_ok[:, None] & co_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -117,13 +125,8 @@ def conv_dx_kernel(
     Grid (input pixel tiles, C_IN tiles).
     """
     K_TILES: tl.constexpr = (C_OUT + BLOCK_K - 1) // BLOCK_K
-    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ci = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok = m < N * H * W
-    ci_ok = ci < C_IN
-    iw = m % W
-    ih = (m // W) % H
-    n = m // (W * H)
+    m, m_ok, n, ih, iw = _pixels(tl.program_id(0), N, H, W, BLOCK_M)
+    ci, ci_ok = _block(tl.program_id(1), C_IN, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(len(TAPS) * K_TILES):
         kh, kw = _tap(it // K_TILES, TAPS, TAP_RUN, KW)
@@ -137,8 +140,7 @@ def conv_dx_kernel(
         ok = m_ok & (oh >= 0) & (oh < OH) & (ow >= 0) & (ow < OW) & (oh * SH == th) & (ow * SW == tw)
         dy_row = ((n * OH + oh) * OW + ow) * C_OUT
         w_tap = w_ptr + (kh * KW + kw).to(tl.int64) * C_IN * C_OUT
-        co = (it % K_TILES) * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
-        co_ok = co < C_OUT
+        co, co_ok = _block(it % K_TILES, C_OUT, BLOCK_K)
         a = tl.load(dy_ptr + dy_row[:, None] + co[None, :], mask=ok[:, None] & co_ok[None, :], other=0.0)
         # w[tap] read as its transpose [C_OUT block, C_IN block].
         b = tl.load(w_tap + ci[None, :] * C_OUT + co[:, None], mask=co_ok[:, None] & ci_ok[None, :], other=0.0)
