@@ -148,6 +148,30 @@ def _clamp(idx, size):
     return jnp.clip(idx, 0, size - 1)
 
 
+def _tap_input(g: Geometry, oh, ow, th, tw, ok):
+    """The input pixels tap ``(th, tw)`` of output pixels ``(oh, ow)`` reads.
+
+    Returns ``(ok, row, col)``: ``ok`` narrowed to pixels inside the image (padding
+    reads nothing), the row and column clamped into range for the masked-off rest.
+    """
+    (h, w) = g.in_hw
+    ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
+    iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
+    return ok & _in_range(ih, h) & _in_range(iw, w), _clamp(ih, h), _clamp(iw, w)
+
+
+def _gather(ref, pixel, chans, mask):
+    """A ``[rows, channels]`` tile of a channels-last ``ref``, 0 where ``mask`` is False.
+
+    ``pixel``: indices of the leading dims, each a scalar or a ``[rows]`` vector in
+    range; ``chans``: ``c0 + arange`` (never clamped: Triton vectorises the load only
+    from that form, and a masked-off lane is never dereferenced).
+    """
+    shape = mask.shape
+    idx = tuple(i if jnp.ndim(i) == 0 else jnp.broadcast_to(i[:, None], shape) for i in pixel)
+    return plgpu.load(ref.at[(*idx, jnp.broadcast_to(chans[None, :], shape))], mask=mask, other=0.0)
+
+
 def _plain_taps(g: Geometry) -> tuple[tuple[int, int], ...]:
     """The taps whose pieces cover every channel pair: these share one runtime loop."""
     return tuple(p.tap for p in g.pieces if p.in_runs is None and p.out_runs is None)
@@ -243,7 +267,7 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
     """
     b = g.blocks
     bp, bci, bco = b.block_pixels, b.block_c_in, b.block_c_out
-    (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
+    oh_size, ow_size = g.out_hw
     n = pl.program_id(0)
     p = pl.program_id(1) * bp + jnp.arange(bp, dtype=jnp.int32)
     co0 = pl.program_id(2) * bco
@@ -254,18 +278,13 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
 
     def step(th, tw, j, piece=None):
         """The product of tap ``(th, tw)`` and input-channel block ``j`` (of ``piece``'s entries)."""
-        ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
-        iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
-        ok = (p_ok & _in_range(ih, h) & _in_range(iw, w))[:, None]
+        ok, rows, cols = _tap_input(g, oh, ow, th, tw, p_ok)
         ci0 = j * bci
         ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
         ci_ok = ci < g.c_in
         if piece is not None and piece.in_runs is not None:
             ci_ok &= _member(ci, piece.in_runs)
-        idx = (_clamp(ih, h)[:, None], _clamp(iw, w)[:, None], ci[None, :])
-        xb = plgpu.load(
-            x_ref.at[(n, *(jnp.broadcast_to(i, (bp, bci)) for i in idx))], mask=ok & ci_ok[None, :], other=0.0
-        )
+        xb = _gather(x_ref, (n, rows, cols), ci, ok[:, None] & ci_ok[None, :])
         kb = k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)]
         if piece is not None:
             kb = _piece_kernel_block(kb, piece, ci, co)
@@ -322,17 +341,13 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
                 ok &= lax.rem(num, s) == 0
                 num = lax.div(num, s)
             ok &= num < size
-            out_idx.append(_clamp(num, size)[:, None])
+            out_idx.append(_clamp(num, size))
         co0 = j * bco
         co = co0 + jnp.arange(bco, dtype=jnp.int32)
         co_ok = co < g.c_out
         if piece is not None and piece.out_runs is not None:
             co_ok &= _member(co, piece.out_runs)
-        idx = (*out_idx, co[None, :])
-        dyb = plgpu.load(
-            dy_ref.at[(n, *(jnp.broadcast_to(i, (bp, bco)) for i in idx))],
-            mask=ok[:, None] & co_ok[None, :], other=0.0,
-        )
+        dyb = _gather(dy_ref, (n, *out_idx), co, ok[:, None] & co_ok[None, :])
         kb = k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)]
         if piece is not None:
             kb = _piece_kernel_block(kb, piece, ci, co)
@@ -367,7 +382,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
     """
     b = g.blocks
     bq, bci, bco = b.block_pixels_reduce, b.block_c_in, b.block_c_out
-    (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
+    oh_size, ow_size = g.out_hw
     split, t = pl.program_id(0), pl.program_id(1)
     th, tw = _tap_at(t, g.taps, g.window[1])
     ci = pl.program_id(2) * bci + jnp.arange(bci, dtype=jnp.int32)
@@ -381,27 +396,9 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
         q = jnp.minimum(q, batch * pixels - 1)
         n, p = lax.div(q, pixels), lax.rem(q, pixels)
         oh, ow = lax.div(p, ow_size), lax.rem(p, ow_size)
-        ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
-        iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
-        x_ok = (q_ok & _in_range(ih, h) & _in_range(iw, w))[:, None] & ci_ok[None, :]
-        xb = plgpu.load(
-            x_ref.at[
-                jnp.broadcast_to(n[:, None], (bq, bci)),
-                jnp.broadcast_to(_clamp(ih, h)[:, None], (bq, bci)),
-                jnp.broadcast_to(_clamp(iw, w)[:, None], (bq, bci)),
-                jnp.broadcast_to(ci[None, :], (bq, bci)),
-            ],
-            mask=x_ok, other=0.0,
-        )
-        dyb = plgpu.load(
-            dy_ref.at[
-                jnp.broadcast_to(n[:, None], (bq, bco)),
-                jnp.broadcast_to(oh[:, None], (bq, bco)),
-                jnp.broadcast_to(ow[:, None], (bq, bco)),
-                jnp.broadcast_to(co[None, :], (bq, bco)),
-            ],
-            mask=q_ok[:, None] & co_ok[None, :], other=0.0,
-        )
+        x_ok, rows, cols = _tap_input(g, oh, ow, th, tw, q_ok)
+        xb = _gather(x_ref, (n, rows, cols), ci, x_ok[:, None] & ci_ok[None, :])
+        dyb = _gather(dy_ref, (n, oh, ow), co, q_ok[:, None] & co_ok[None, :])
         return acc + _dot(xb, dyb, g, trans_a=True)
 
     acc = _loop(trips, body, jnp.zeros((bci, bco), jnp.float32))

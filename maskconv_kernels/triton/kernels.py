@@ -56,10 +56,28 @@ def _block(pid, SIZE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _unflatten(m, H: tl.constexpr, W: tl.constexpr):
+    """Flat pixel indices of ``[N, H, W]`` as (image, row, column)."""
+    return m // (W * H), (m // W) % H, m % W
+
+
+@triton.jit
 def _pixels(pid, N: tl.constexpr, H: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
     """Block ``pid`` of the ``N * H * W`` flat pixels: (flat index, in range, image, row, column)."""
     m, m_ok = _block(pid, N * H * W, BLOCK)
-    return m, m_ok, m // (W * H), (m // W) % H, m % W
+    n, row, col = _unflatten(m, H, W)
+    return m, m_ok, n, row, col
+
+
+@triton.jit
+def _input_row(n, oh, ow, ok, kh, kw, H: tl.constexpr, W: tl.constexpr, C_IN: tl.constexpr,
+               SH: tl.constexpr, SW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+               PH: tl.constexpr, PW: tl.constexpr):
+    """Element offset of the ``x`` row tap ``(kh, kw)`` of output pixels ``(n, oh, ow)`` reads,
+    and ``ok`` narrowed to those inside the image (padding reads nothing)."""
+    ih = oh * SH - PH + kh * DH
+    iw = ow * SW - PW + kw * DW
+    return ((n * H + ih) * W + iw) * C_IN, ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
 
 
 @triton.jit
@@ -86,10 +104,7 @@ def conv_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(len(TAPS) * K_TILES):
         kh, kw = _tap(it // K_TILES, TAPS, TAP_RUN, KW)
-        ih = oh * SH - PH + kh * DH
-        iw = ow * SW - PW + kw * DW
-        ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        x_row = ((n * H + ih) * W + iw) * C_IN
+        x_row, ok = _input_row(n, oh, ow, m_ok, kh, kw, H, W, C_IN, SH, SW, DH, DW, PH, PW)
         w_tap = w_ptr + (kh * KW + kw).to(tl.int64) * C_IN * C_OUT
         ci, ci_ok = _block(it % K_TILES, C_IN, BLOCK_K)
         a = tl.load(x_ptr + x_row[:, None] + ci[None, :], mask=ok[:, None] & ci_ok[None, :], other=0.0)
@@ -177,24 +192,17 @@ def conv_dw_kernel(
     pid = tl.program_id(0)
     j = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
-    ci = (pid // n_co_tiles).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    co = (pid % n_co_tiles).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ci_ok = ci < C_IN
-    co_ok = co < C_OUT
+    ci, ci_ok = _block(pid // n_co_tiles, C_IN, BLOCK_M)
+    co, co_ok = _block(pid % n_co_tiles, C_OUT, BLOCK_N)
     kh, kw = _tap(j, TAPS, TAP_RUN, KW)
     start = s * CHUNK
     stop = tl.minimum(start + CHUNK, N * OH * OW)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for p0 in range(0, CHUNK, BLOCK_K):
         m = start + p0 + tl.arange(0, BLOCK_K)
-        ow = m % OW
-        oh = (m // OW) % OH
-        n = m // (OW * OH)
-        ih = oh * SH - PH + kh * DH
-        iw = ow * SW - PW + kw * DW
         m_ok = m < stop
-        ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        x_row = ((n * H + ih) * W + iw) * C_IN
+        n, oh, ow = _unflatten(m, OH, OW)
+        x_row, ok = _input_row(n, oh, ow, m_ok, kh, kw, H, W, C_IN, SH, SW, DH, DW, PH, PW)
         a = tl.load(x_ptr + ci[:, None] + x_row[None, :], mask=ci_ok[:, None] & ok[None, :], other=0.0)
         b = tl.load(dy_ptr + m[:, None] * C_OUT + co[None, :], mask=m_ok[:, None] & co_ok[None, :], other=0.0)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
