@@ -14,9 +14,10 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 
 from .sharding import partitioned_masked_conv
-from .spec import make_spec
+from .spec import as_operand, make_spec
 
 __all__ = ["masked_conv", "IMPLEMENTATIONS", "implementation_for"]
 
@@ -46,8 +47,8 @@ def implementation_for(spec, platform: str | None = None, interpret: bool = Fals
 
 
 def masked_conv(
-    x: jax.Array,
-    kernel: jax.Array,
+    x: jax.typing.ArrayLike,
+    kernel: jax.typing.ArrayLike,
     mask,
     *,
     strides=1,
@@ -62,7 +63,9 @@ def masked_conv(
     """Exact masked convolution, channels-last: masked taps are never read.
 
     Args:
-      x: ``(N, *spatial, C_in)`` with 1, 2 or 3 spatial dims; float32, bfloat16 or float16.
+      x: ``(N, *spatial, C_in)`` with 1, 2 or 3 spatial dims; float32, bfloat16 or float16
+        (float64 with ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays,
+        nested lists) are converted as ``jnp.asarray`` would.
       kernel: ``(*window, C_in // feature_group_count, C_out)``, same dtype as ``x``.
       mask: static bools or 0/1 of shape ``window`` (one bit per tap) or the full kernel
         shape (channel-partial taps). Must not be traced.
@@ -89,6 +92,9 @@ def masked_conv(
       ValueError, TypeError: bad arguments (the message names the argument).
       NotImplementedError: the requested implementation does not support this problem.
     """
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be True or False, got {interpret!r}")
+    x, kernel = as_operand("x", x), as_operand("kernel", kernel)
     spec = make_spec(
         x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
         feature_group_count=feature_group_count, precision=precision,
@@ -102,6 +108,8 @@ def masked_conv(
         reason = _backend(implementation).unsupported(spec, jax.default_backend(), interpret)
         if reason is not None:
             raise NotImplementedError(f'implementation="{implementation}" does not support this problem: {reason}')
+    if x.shape[0] == 0:  # an empty batch: nothing to compute (the kernels' grids cannot be empty)
+        return jnp.zeros((0, *spec.out_spatial, spec.c_out), spec.out_dtype)
     # Kernel backends are custom calls XLA cannot partition: this wraps them so a
     # batch-sharded x stays sharded under jit (see maskconv_kernels/sharding.py).
     return partitioned_masked_conv(implementation, _backend(implementation), x, kernel, spec, interpret=interpret)

@@ -196,7 +196,14 @@ def as_mask(mask, kernel_shape: Sequence[int]) -> Mask:
     else:
         bits = _static_bits(mask)
     window = tuple(int(k) for k in kernel_shape[:-2])
-    if bits.shape not in (window, tuple(kernel_shape)):
+    kernel_shape = tuple(int(k) for k in kernel_shape)
+    if bits.shape[: len(window)] == window and len(bits.shape) == len(kernel_shape) and bits.shape != kernel_shape:
+        raise ValueError(
+            f"mask has the full kernel shape's rank but shape {bits.shape}, and the kernel is {kernel_shape}: a "
+            f"full mask needs C_in // feature_group_count = {kernel_shape[-2]} and C_out = {kernel_shape[-1]} "
+            f"channel dims (or pass a window-shaped mask of shape {window})"
+        )
+    if bits.shape not in (window, kernel_shape):
         raise ValueError(
             f"mask has shape {bits.shape} but the kernel window is {window}: pass a mask of shape "
             f"{window} (one bit per tap) or {tuple(kernel_shape)} (the full kernel shape)"
@@ -207,6 +214,11 @@ def as_mask(mask, kernel_shape: Sequence[int]) -> Mask:
 def _static_bits(mask) -> np.ndarray:
     import jax
 
+    if mask is None:
+        raise TypeError(
+            "mask must be array-like of 0/1 or bools (shape window or the full kernel shape), got None: "
+            "for a convolution with every tap active pass np.ones(window, bool)"
+        )
     if isinstance(mask, jax.core.Tracer):
         raise TypeError(
             "mask must be static (a numpy array, nested lists or a concrete jax array), not a traced "

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .masks import Mask, as_mask
 
-__all__ = ["ConvSpec", "make_spec", "dimension_numbers"]
+__all__ = ["ConvSpec", "make_spec", "as_operand", "dimension_numbers", "FLOAT_DTYPES"]
 
 _DIMENSION_NUMBERS = {
     1: ("NWC", "WIO", "NWC"),
@@ -72,10 +73,21 @@ class ConvSpec:
         return 2 * batch * int(np.prod(self.out_spatial)) * per_pixel
 
 
+def _is_int(value) -> bool:
+    # bool is an int subclass, but strides=True is a mistake, not a stride of 1.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _tuple(name: str, value, ndim: int) -> tuple[int, ...]:
-    values = (value,) * ndim if isinstance(value, (int, np.integer)) else tuple(value)
-    if len(values) != ndim or not all(isinstance(v, (int, np.integer)) for v in values):
-        raise ValueError(f"{name} must be an int or a tuple of {ndim} ints, got {value!r}")
+    expected = f"{name} must be an int or a tuple of {ndim} ints"
+    if _is_int(value):
+        values = (value,) * ndim
+    elif isinstance(value, (tuple, list, np.ndarray)) and all(_is_int(v) for v in np.ravel(np.asarray(value, object))):
+        values = tuple(np.ravel(np.asarray(value, object)))
+    else:
+        raise TypeError(f"{expected}, got {value!r}")
+    if len(values) != ndim:
+        raise ValueError(f"{expected}, got {value!r}")
     if any(v < 1 for v in values):
         raise ValueError(f"{name} must be positive, got {value!r}")
     return tuple(int(v) for v in values)
@@ -96,20 +108,69 @@ def _padding(padding, in_spatial, window, strides, dilation) -> tuple[tuple[int,
             raise ValueError(f"padding must be 'SAME', 'VALID', 'CAUSAL' or (lo, hi) pairs, got {padding!r}")
         effective = [d * (k - 1) + 1 for d, k in zip(dilation, window)]
         return tuple(lax.padtype_to_pads(in_spatial, effective, strides, mode))
+    expected = "padding must be 'SAME', 'VALID', 'CAUSAL' or one (lo, hi) pair of ints per spatial dim"
     try:
-        pairs = tuple((int(lo), int(hi)) for lo, hi in padding)
+        pairs = tuple((lo, hi) for lo, hi in padding)
     except (TypeError, ValueError):
-        raise ValueError(f"padding must be 'SAME', 'VALID', 'CAUSAL' or (lo, hi) pairs, got {padding!r}") from None
+        raise ValueError(f"{expected}, got {padding!r}") from None
+    if not all(_is_int(v) for pair in pairs for v in pair):
+        raise TypeError(f"{expected}, got {padding!r}")
+    pairs = tuple((int(lo), int(hi)) for lo, hi in pairs)
     if len(pairs) != ndim:
         raise ValueError(f"padding needs one (lo, hi) pair per spatial dim ({ndim}), got {padding!r}")
     return pairs
 
 
-def _dtype(name: str, value) -> np.dtype:
-    dtype = np.dtype(value.dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16), got {dtype}")
+# float64 runs on the xla backend when jax_enable_x64 is on; the kernels take the rest.
+FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))
+_DTYPE_NAMES = "float32, bfloat16 or float16; float64 with jax_enable_x64"
+
+
+def as_operand(name: str, value):
+    """``x`` or ``kernel`` as an array: jax arrays (and tracers) as they are, array-likes
+    (NumPy arrays, nested lists, scalars) converted as ``jnp.asarray`` would."""
+    if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
+        return value
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"{name} must be an array or array-like of floats (a jax or NumPy array, nested lists), "
+            f"got {type(value).__name__}: {e}"
+        ) from None
+
+
+def _float_dtype(subject: str, dtype) -> np.dtype:
+    """``subject``: what the error says, e.g. ``"x must have"``."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{subject} a floating dtype ({_DTYPE_NAMES}), got {dtype!r}") from None
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{subject} a floating dtype ({_DTYPE_NAMES}), got {dtype}")
     return dtype
+
+
+def _precision(precision):
+    """``None``, a ``lax.Precision``, its name, or a pair of them (one per operand)."""
+    def one(p):
+        if isinstance(p, lax.Precision):
+            return p
+        if isinstance(p, str):
+            if p.upper() in lax.Precision.__members__:
+                return lax.Precision[p.upper()]
+            try:  # lax's own aliases ("float32", "tensorfloat32", ...)
+                return lax.Precision(p)
+            except ValueError:
+                pass
+        names = ", ".join(repr(m.lower()) for m in lax.Precision.__members__)
+        raise ValueError(f"precision must be None, a lax.Precision, one of {names}, or a pair of them, got {precision!r}")
+
+    if precision is None:
+        return None
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        return (one(precision[0]), one(precision[1]))
+    return one(precision)
 
 
 def make_spec(
@@ -124,24 +185,36 @@ def make_spec(
     precision=None,
     preferred_element_type=None,
 ) -> ConvSpec:
-    """Validates the arguments of :func:`maskconv_kernels.masked_conv` into a ``ConvSpec``."""
-    x_dtype, k_dtype = _dtype("x", x), _dtype("kernel", kernel)
+    """Validates the arguments of :func:`maskconv_kernels.masked_conv` into a ``ConvSpec``.
+
+    ``x`` and ``kernel`` may be anything with ``shape`` and ``dtype`` or array-likes
+    (:func:`as_operand`). Every error names the argument and what it accepts.
+    """
+    x, kernel = as_operand("x", x), as_operand("kernel", kernel)
+    x_dtype, k_dtype = _float_dtype("x must have", x.dtype), _float_dtype("kernel must have", kernel.dtype)
     if x_dtype != k_dtype:
         raise TypeError(f"x and kernel must have the same dtype, got x: {x_dtype} and kernel: {k_dtype}")
-    if x.ndim not in (3, 4, 5):
+    if len(x.shape) not in (3, 4, 5):
         raise ValueError(
             f"x must be (N, *spatial, C_in) with 1, 2 or 3 spatial dims (rank 3-5), got shape {tuple(x.shape)}"
         )
-    ndim = x.ndim - 2
-    if kernel.ndim != ndim + 2:
+    ndim = len(x.shape) - 2
+    if len(kernel.shape) != ndim + 2:
         raise ValueError(
             f"kernel must be (*window, C_in // groups, C_out) with {ndim} window dims to match x of shape "
             f"{tuple(x.shape)}, got shape {tuple(kernel.shape)}"
         )
+    if any(k < 1 for k in kernel.shape[:-2]):
+        raise ValueError(f"kernel window must be at least 1 in every spatial dim, got kernel shape {tuple(kernel.shape)}")
     groups = feature_group_count
-    if not isinstance(groups, (int, np.integer)) or groups < 1:
+    if not _is_int(groups) or groups < 1:
         raise ValueError(f"feature_group_count must be a positive int, got {groups!r}")
     c_in, c_out = int(x.shape[-1]), int(kernel.shape[-1])
+    if c_in < 1 or c_out < 1:
+        raise ValueError(
+            f"x and kernel need at least one channel each, got C_in={c_in} (x: {tuple(x.shape)}) and "
+            f"C_out={c_out} (kernel: {tuple(kernel.shape)})"
+        )
     if c_in % groups or c_out % groups:
         raise ValueError(
             f"feature_group_count={groups} must divide both C_in={c_in} and C_out={c_out}"
@@ -157,17 +230,10 @@ def make_spec(
     dilation = _tuple("dilation", dilation, ndim)
     in_spatial = tuple(int(n) for n in x.shape[1:-1])
     pads = _padding(padding, in_spatial, window, strides, dilation)
-    if preferred_element_type is None:
-        out_dtype = x_dtype
-    else:
-        out_dtype = np.dtype(preferred_element_type)
-        if not jnp.issubdtype(out_dtype, jnp.floating):
-            raise TypeError(f"preferred_element_type must be a floating dtype, got {out_dtype}")
-    if isinstance(precision, str):
-        precision = lax.Precision(precision)
+    out_dtype = x_dtype if preferred_element_type is None else _float_dtype("preferred_element_type must be", preferred_element_type)
     acc_dtype = np.dtype(jnp.promote_types(jnp.float32, x_dtype))
     spec = ConvSpec(
-        mask, in_spatial, c_in, c_out, strides, pads, dilation, int(groups), precision, out_dtype, acc_dtype
+        mask, in_spatial, c_in, c_out, strides, pads, dilation, int(groups), _precision(precision), out_dtype, acc_dtype
     )
     if any(n < 1 for n in spec.out_spatial):
         raise ValueError(

@@ -17,7 +17,7 @@ import pytest
 
 import maskconv_kernels as mk
 from maskconv_kernels import xla
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.spec import as_operand, make_spec
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -47,6 +47,7 @@ class Backend:
             # the backend's own tests; here the shared cases would only repeat that.
             pytest.skip(f'implementation="{self.implementation}" does not support this case: {reason}')
         if self.strategy is not None:
+            x, kernel = as_operand("x", x), as_operand("kernel", kernel)
             return xla.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), self.strategy)
         return mk.masked_conv(x, kernel, mask, implementation=self.implementation, interpret=self.interpret, **kw)
 

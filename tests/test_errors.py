@@ -36,13 +36,60 @@ M = mk.pixelcnn_mask((3, 3), "B")
         (dict(implementation="cudnn"), ValueError, r"implementation must be None or one of .*'cudnn'"),
         (dict(x=jnp.ones((1, 2, 2, 4)), padding="VALID"), ValueError, r"output would be empty"),
         (dict(preferred_element_type=jnp.int32), TypeError, r"preferred_element_type must be a floating dtype"),
+        # What a new user tried (issue 11): each names the argument and what it accepts.
+        (dict(x=None), TypeError, r"x must be an array or array-like.*NoneType"),
+        (dict(kernel=None), TypeError, r"kernel must be an array or array-like.*NoneType"),
+        (dict(x=[[1.0, 2.0], [3.0]]), TypeError, r"x must be an array or array-like.*list"),
+        (dict(kernel="abc"), TypeError, r"kernel must be an array or array-like.*str"),
+        (dict(x=1.5), ValueError, r"x must be \(N, \*spatial, C_in\).*got shape \(\)"),
+        (dict(kernel=2.0), ValueError, r"kernel must be \(\*window, C_in // groups, C_out\).*got shape \(\)"),
+        (dict(x=np.ones((1, 8, 8, 4)).tolist(), kernel=np.ones((3, 3, 4, 6), int).tolist()), TypeError, r"kernel must have a floating dtype.*int32"),
+        (dict(strides=1.5), TypeError, r"strides must be an int or a tuple of 2 ints, got 1.5"),
+        (dict(strides=True), TypeError, r"strides must be an int or a tuple of 2 ints, got True"),
+        (dict(dilation=(1, 2.0)), TypeError, r"dilation must be an int or a tuple of 2 ints, got \(1, 2.0\)"),
+        (dict(x=jnp.ones((1, 8, 8, 0)), kernel=jnp.ones((3, 3, 0, 6))), ValueError, r"at least one channel.*C_in=0"),
+        (dict(kernel=jnp.ones((3, 3, 4, 0))), ValueError, r"at least one channel.*C_out=0"),
+        (dict(kernel=jnp.ones((0, 3, 4, 6)), mask=np.ones((0, 3))), ValueError, r"kernel window must be at least 1.*\(0, 3, 4, 6\)"),
+        (dict(x=X.astype(jnp.float8_e4m3fn), kernel=K.astype(jnp.float8_e4m3fn)), TypeError, r"x must have a floating dtype \(float32, bfloat16 or float16.*float8_e4m3fn"),
+        (dict(padding=((1.7, 1), (1, 1))), TypeError, r"padding must be .*pair of ints.*1.7"),
+        (dict(padding=((True, 1), (1, 1))), TypeError, r"padding must be .*pair of ints"),
+        (dict(feature_group_count=True), ValueError, r"feature_group_count must be a positive int, got True"),
+        (dict(interpret="yes"), TypeError, r"interpret must be True or False, got 'yes'"),
+        (dict(preferred_element_type="bogus"), TypeError, r"preferred_element_type must be a floating dtype.*'bogus'"),
+        (dict(precision="bogus"), ValueError, r"precision must be None, a lax.Precision, one of 'default', 'high', 'highest'.*'bogus'"),
+        (dict(mask=None), TypeError, r"mask must be array-like of 0/1 or bools.*got None.*np.ones"),
+        (dict(mask=np.ones((3, 3, 4, 5))), ValueError, r"mask has the full kernel shape's rank but shape \(3, 3, 4, 5\).*C_out = 6"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
-def test_bad_input(kwargs, error, match):
-    args = dict(x=X, kernel=K, mask=M) | kwargs
+@pytest.mark.parametrize("implementation", mk.IMPLEMENTATIONS)
+def test_bad_input(kwargs, error, match, implementation):
+    # Validation comes before dispatch: every backend gives the same error.
+    args = dict(x=X, kernel=K, mask=M, implementation=implementation) | kwargs
+    if implementation != "xla":
+        args.setdefault("interpret", True)
     with pytest.raises(error, match=match):
         mk.masked_conv(args.pop("x"), args.pop("kernel"), args.pop("mask"), **args)
+
+
+def test_array_likes_are_converted_as_jnp_asarray_would(conv):
+    x, k = np.asarray(X), np.asarray(K)
+    expected = conv(X, K, M)
+    np.testing.assert_array_equal(conv(x.tolist(), k.tolist(), M), expected)
+    np.testing.assert_array_equal(conv(x.astype(np.float64), k, M), expected)  # float64 -> float32 without x64
+
+
+def test_precision_names_and_pairs_are_accepted():
+    for precision in ("highest", "HIGHEST", jax.lax.Precision.HIGHEST, ("highest", "default"), ["high", "high"]):
+        assert mk.masked_conv(X, K, M, precision=precision).shape == (1, 8, 8, 6)
+
+
+@pytest.mark.parametrize("implementation", mk.IMPLEMENTATIONS)
+def test_empty_batch_gives_an_empty_output_and_gradient(implementation):
+    x = jnp.ones((0, 8, 8, 4))
+    f = lambda x, k: mk.masked_conv(x, k, M, implementation=implementation, interpret=implementation != "xla")
+    y, (dx, dk) = jax.value_and_grad(lambda x, k: f(x, k).sum(), (0, 1))(x, K)
+    assert f(x, K).shape == (0, 8, 8, 6) and y == 0.0 and dx.shape == x.shape and not np.asarray(dk).any()
 
 
 def test_traced_mask_says_why_masks_are_static():

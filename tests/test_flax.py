@@ -218,8 +218,15 @@ def test_mask_shape_errors_name_the_shapes():
     with pytest.raises(ValueError, match=r"mask has shape \(2, 3\) but kernel_size is \(3, 3\)"):
         MaskedConv(4, (3, 3), mask=np.ones((2, 3)))
     full = MaskedConv(4, (3, 3), mask=np.ones((3, 3, 5, 4)))
-    with pytest.raises(ValueError, match=r"mask has shape \(3, 3, 5, 4\)"):
+    with pytest.raises(ValueError, match=r"shape \(3, 3, 5, 4\), and the kernel is \(3, 3, 2, 4\).*C_in // feature_group_count = 2"):
         full.init(jax.random.key(0), jnp.ones((1, 6, 6, 2)))
+    # A full mask with the wrong output channel count says so, not that the window is wrong.
+    with pytest.raises(ValueError, match=r"full kernel shape \(3, 3, 2, 5\) but features .* is 4"):
+        MaskedConv(4, (3, 3), mask=np.ones((3, 3, 2, 5)))
+    with pytest.raises(ValueError, match=r"full kernel shape \(3, 3, 2, 5\) but features .* is 4"):
+        mk_nnx.MaskedConv(2, 4, (3, 3), mask=np.ones((3, 3, 2, 5)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"C_in // feature_group_count = 2"):
+        mk_nnx.MaskedConv(2, 4, (3, 3), mask=np.ones((3, 3, 3, 4)), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="input_dilation"):
         MaskedConv(4, (3, 3), mask=mk.pixelcnn_mask((3, 3)), input_dilation=2).init(
             jax.random.key(0), jnp.ones((1, 6, 6, 2))
@@ -227,6 +234,8 @@ def test_mask_shape_errors_name_the_shapes():
     layer = mk_nnx.MaskedConv(2, 4, (3, 3), mask=mk.pixelcnn_mask((3, 3)), rngs=nnx.Rngs(0))
     with pytest.raises(NotImplementedError, match="out_sharding"):
         layer(jnp.ones((1, 6, 6, 2)), out_sharding=jax.sharding.PartitionSpec())
+    with pytest.raises(ValueError, match=r"inputs have 3 channels .* in_features=2"):
+        layer(jnp.ones((1, 6, 6, 3)))
 
 
 # --------------------------------------------------------------------- the gated PixelCNN

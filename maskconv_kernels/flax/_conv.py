@@ -27,11 +27,12 @@ def kernel_size_tuple(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
     return (kernel_size,) if isinstance(kernel_size, int) else tuple(int(k) for k in kernel_size)
 
 
-def static_mask(mask, kernel_size) -> Mask | None:
+def static_mask(mask, kernel_size, features: int) -> Mask | None:
     """Normalises a module's ``mask`` field into a hashable :class:`Mask`, or ``None``.
 
-    The input channel count is unknown until the module is called, so only the window
-    is checked here; the channel dims of a full mask are checked against the kernel then.
+    The input channel count may be unknown until the module is called, so the window and
+    ``features`` (the output channels) are checked here; the input channel dim of a full
+    mask is checked against the kernel then.
     """
     if mask is None:
         return None
@@ -40,6 +41,11 @@ def static_mask(mask, kernel_size) -> Mask | None:
     if shape == window:
         return as_mask(mask, (*window, 1, 1))
     if len(shape) == len(window) + 2 and shape[:-2] == window:
+        if shape[-1] != features:
+            raise ValueError(
+                f"mask has the full kernel shape {shape} but features (the output channels) is {features}: its "
+                f"last dim must be {features}, or pass a mask of shape {window} (one bit per tap)"
+            )
         return as_mask(mask, shape)
     raise ValueError(
         f"mask has shape {shape} but kernel_size is {window}: pass a mask of shape {window} (one bit per "

@@ -95,7 +95,7 @@ class MaskedConv(nn.Module):
     def __post_init__(self):
         # A linen module is a dataclass hashed and compared by its fields (clone, nn.jit,
         # lifted transforms), so the mask is stored as a content-hashed Mask, not an array.
-        object.__setattr__(self, "mask", _conv.static_mask(self.mask, self.kernel_size))
+        object.__setattr__(self, "mask", _conv.static_mask(self.mask, self.kernel_size, self.features))
         super().__post_init__()
 
     @nn.compact

@@ -104,7 +104,7 @@ class MaskedConv(nnx.Module):
         self.feature_group_count = feature_group_count
         self.use_bias = use_bias
         # Static (not state), hashable, and checked against the kernel now: in_features is known.
-        mask = _conv.static_mask(mask, kernel_size)
+        mask = _conv.static_mask(mask, kernel_size, out_features)
         self.mask = None if mask is None else as_mask(mask, kernel_shape)
         self.dtype = dtype
         self.param_dtype = param_dtype
@@ -128,6 +128,11 @@ class MaskedConv(nnx.Module):
             raise NotImplementedError(
                 "out_sharding is not supported by MaskedConv yet: call it without out_sharding and "
                 "constrain the result with jax.sharding.reshard"
+            )
+        if jnp.shape(inputs)[-1] != self.in_features:
+            raise ValueError(
+                f"inputs have {jnp.shape(inputs)[-1]} channels (shape {jnp.shape(inputs)}) but this MaskedConv was "
+                f"built with in_features={self.in_features}: the last dim of inputs must be in_features"
             )
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
