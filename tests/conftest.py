@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -117,3 +118,32 @@ def assert_close(actual, expected, dtype, reduction: int, scale: float):
     bound = TOLERANCE[np.dtype(dtype)] * np.sqrt(max(reduction, 1)) * scale
     err = np.abs(actual - expected).max(initial=0.0)
     assert err <= bound, f"max error {err:.3g} exceeds {bound:.3g} (reduction {reduction}, scale {scale:.3g})"
+
+
+def second_order(conv, x, k, mask):
+    """``d/dk sum(tanh(d/dx sum(conv(x, k)^2)))``: reverse over reverse through ``conv``."""
+    inner = lambda k: jax.grad(lambda x: (conv(x, k, mask) ** 2).sum())(x)
+    return jax.grad(lambda k: jnp.tanh(inner(k)).sum())(k)
+
+
+def assert_second_order_close(actual, x, k, mask, **conv_args):
+    """``actual`` against :func:`second_order` of the leaky baseline in float64.
+
+    Bound: the float32 roundings of three chained sums (the output over active taps x
+    C_in, the input gradient over active taps x C_out, the kernel gradient over pixels)
+    add up, each relative to the sum of |terms|. That sum is bounded by the same
+    computation on |x|, |k| with tanh' (at most 1) replaced by 1: every product then
+    adds with the sign it has in absolute value.
+    """
+    bits = np.asarray(mask, bool)
+    leaky = lambda x, k, m: mk.leaky_masked_conv(x, k, m, precision="highest", **conv_args)
+    with jax.enable_x64(True):
+        x64, k64 = jnp.asarray(x, jnp.float64), jnp.asarray(k, jnp.float64)
+        expected = second_order(leaky, x64, k64, mask)
+        inner = lambda k: jax.grad(lambda x: (leaky(x, k, mask) ** 2).sum())(jnp.abs(x64))
+        magnitude = jax.grad(lambda k: inner(k).sum())(jnp.abs(k64))
+        expected, magnitude = np.asarray(expected), np.asarray(magnitude)
+    taps = int(bits.sum()) if bits.ndim == k.ndim - 2 else int(bits.any(axis=(-2, -1)).sum())
+    pixels = int(np.prod(x.shape[:-1]))
+    reduction = taps * k.shape[-2] + taps * k.shape[-1] + pixels
+    assert_close(actual, expected, np.float32, reduction, float(magnitude.max()))

@@ -211,7 +211,9 @@ def test_linen_module_with_array_mask_is_hashable_and_clonable():
     x = random(1, (2, 6, 6, 2))
     jitted = nn.jit(MaskedConv)(4, (3, 3), mask=mk.pixelcnn_mask((3, 3), "A"))
     params = jitted.init(jax.random.key(0), x)
-    np.testing.assert_array_equal(jitted.apply(params, x), a.apply(params, x))
+    # Jitted and eager are two programs: equal up to float32 rounding of 4 taps x 2 channels.
+    scale = float(jnp.abs(x).max() * jnp.abs(params["params"]["kernel"]).max()) + 1.0  # + |bias| (zeros)
+    assert_close(jitted.apply(params, x), a.apply(params, x), np.float32, 4 * 2, scale)
 
 
 def test_mask_shape_errors_name_the_shapes():
