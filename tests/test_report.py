@@ -22,6 +22,12 @@ def test_leak_report_measures_exactness_and_prints_a_table(tmp_path):
     )
     assert "| gradient leak (seed 1) |" in proc.stdout
     assert "| PixelCNN 7x7 type A" in proc.stdout
+    # Progress on stderr: a first line before any measurement, then a line per stage with its time.
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("maskconv-kernels leak report: measuring")
+    stages = [line for line in lines if re.match(r"  \S.* \.\.\. \d+\.\d s$", line)]
+    assert len(stages) == 2 * len(report.EXACTNESS_CHECKS) + 2 * len(report.TIMING_SHAPES), proc.stderr
+    assert re.match(r"done in \d+ s", lines[-1])
     result = json.loads(out.read_text())
     ours = result["exactness"]["masked_conv"]
     assert all(v == 0 for v in ours.values()), ours
@@ -44,3 +50,20 @@ def test_readme_quick_start_is_what_ci_runs():
     quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^(pip install .*)$", quick_start, re.M)
     assert commands == ['pip install . && python -m maskconv_kernels', test_command]
+
+
+def test_json_path_is_checked_before_measuring(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "maskconv_kernels", "--json", str(tmp_path / "missing" / "report.json")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "--json: can't open" in proc.stderr
+    assert "exactness" not in proc.stderr  # nothing was measured
+
+
+def test_help_says_what_is_measured_and_how_long():
+    proc = subprocess.run([sys.executable, "-m", "maskconv_kernels", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert "``" not in proc.stdout  # plain text, not reST
+    for words in ("gradient", "non-finite", "6-layer", "median milliseconds", "minutes on a 2-core CPU", "--quick"):
+        assert words in proc.stdout, words
