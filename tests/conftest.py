@@ -11,16 +11,25 @@ import dataclasses
 import importlib
 import importlib.util
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import maskconv_kernels as mk
 from maskconv_kernels import xla
 from maskconv_kernels.spec import as_operand, make_spec
 
 ON_GPU = jax.default_backend() == "gpu"
+
+# Hypothesis: a few examples per backend in the README's test command, more in the slow
+# tier (.ci/run sets HYPOTHESIS_PROFILE=ci). Derandomized: a failure reproduces.
+settings.register_profile("default", max_examples=8, deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +83,10 @@ if ON_GPU:
 SLOW_BACKENDS: set[str] = {"pallas_interpret", "triton_interpret"}
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+# The interpreted kernel backends run the shared suites in the slow tier (.ci/run runs
+# it after the README's command); test_agreement.py's smoke test keeps one case of each
+# in the README's command.
+@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_BACKENDS else n for n in sorted(BACKENDS)])
 def conv(request):
     return _Named(request.param, BACKENDS[request.param])
 

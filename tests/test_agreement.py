@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import DTYPES, assert_close, random
+from conftest import BACKENDS, DTYPES, assert_close, random
 from cases import CASE_IDS, CASES
 
 from maskconv_kernels import masked_conv_reference
@@ -19,6 +19,27 @@ def _inputs(case, dtype, seed=0):
 
 def _scale(a):
     return float(np.abs(np.asarray(a, np.float64)).max(initial=0.0))
+
+
+SMOKE_CASES = [
+    c for c in CASES if c.name in ("1d_N2_L16_C5_k3_CAUSAL_s2", "2d_N1_H12_W9_C3_k3B_s21_d2", "2d_N1_H7_W7_C6_k3_rgbA_full")
+]
+
+
+@pytest.mark.parametrize("case", SMOKE_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_backend_smoke(name, case):
+    """A 1-D, a strided and dilated 2-D and a channel-partial case on every backend, the interpreted kernels
+    included: the fast tier's check of the kernels (the slow tier runs all the suites)."""
+    conv = BACKENDS[name]
+    x, k = _inputs(case, np.float32, seed=5)
+    y, vjp = jax.vjp(lambda x, k: conv(x, k, case.mask, **case.conv_args), x, k)
+    assert_close(y, masked_conv_reference(x, k, case.mask, **case.conv_args), np.float32, case.reduction(), _scale(x) * _scale(k))
+    dy = random(6, y.shape)
+    dx, dk = vjp(dy)
+    rdx, rdk = masked_conv_reference_vjp(x, k, case.mask, dy, **case.conv_args)
+    assert_close(dx, rdx, np.float32, case.reduction() * case.kernel_shape[-1], _scale(dy) * _scale(k))
+    assert_close(dk, rdk, np.float32, int(np.prod(y.shape[:-1])), _scale(dy) * _scale(x))
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)

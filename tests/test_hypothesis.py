@@ -1,10 +1,17 @@
-"""Random shapes, masks and geometry against the float64 reference."""
+"""Random shapes, masks and geometry against the float64 reference.
+
+One test per backend, so that progress shows. The number of examples comes from the
+hypothesis profile (conftest.py): a few per backend in the README's test command, more
+in the slow tier that .ci/run adds (``HYPOTHESIS_PROFILE=ci``), where the interpreted
+kernel backends run too.
+"""
 from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from conftest import BACKENDS, SLOW_BACKENDS, assert_close, random
-from hypothesis import given, settings
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from maskconv_kernels import masked_conv_reference
@@ -38,23 +45,27 @@ def problems(draw):
     return seed, x_shape, kernel_shape, bits, args
 
 
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(problems())
-def test_random_problems_match_reference(problem):
+_PARAMS = [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_BACKENDS else name for name in sorted(BACKENDS)
+]
+
+
+@pytest.mark.parametrize("name", _PARAMS)
+@given(problem=problems())
+def test_random_problems_match_reference(name, problem):
+    conv = BACKENDS[name]
     seed, x_shape, kernel_shape, bits, args = problem
     x, k = random(seed, x_shape), random(seed + 1, kernel_shape)
+    assume(conv.unsupported(x, k, bits, **args) is None)  # e.g. groups on a kernel backend
     ref = masked_conv_reference(x, k, bits, **args)
     dy = random(seed + 2, ref.shape)
     rdx, rdk = masked_conv_reference_vjp(x, k, bits, dy, **args)
     reduction = int(np.prod(kernel_shape[:-1]))
     pixels = int(np.prod(ref.shape[:-1]))
-    for name, conv in BACKENDS.items():
-        if name in SLOW_BACKENDS or conv.unsupported(x, k, bits, **args) is not None:
-            continue
-        y, vjp = jax.vjp(lambda x, k: conv(x, k, bits, **args), x, k)
-        assert_close(y, ref, np.float32, reduction, 1.0 * np.abs(x).max() * np.abs(k).max())
-        dx, dk = vjp(dy)
-        assert_close(dx, rdx, np.float32, reduction * kernel_shape[-1], np.abs(dy).max() * np.abs(k).max())
-        assert_close(dk, rdk, np.float32, pixels, np.abs(dy).max() * np.abs(x).max())
-        masked = ~np.broadcast_to(bits.reshape(bits.shape + (1,) * (len(kernel_shape) - bits.ndim)), kernel_shape)
-        assert (np.asarray(dk)[masked] == 0.0).all()
+    y, vjp = jax.vjp(lambda x, k: conv(x, k, bits, **args), x, k)
+    assert_close(y, ref, np.float32, reduction, 1.0 * np.abs(x).max() * np.abs(k).max())
+    dx, dk = vjp(dy)
+    assert_close(dx, rdx, np.float32, reduction * kernel_shape[-1], np.abs(dy).max() * np.abs(k).max())
+    assert_close(dk, rdk, np.float32, pixels, np.abs(dy).max() * np.abs(x).max())
+    masked = ~np.broadcast_to(bits.reshape(bits.shape + (1,) * (len(kernel_shape) - bits.ndim)), kernel_shape)
+    assert (np.asarray(dk)[masked] == 0.0).all()
