@@ -82,8 +82,8 @@ def _tuple(name: str, value, ndim: int) -> tuple[int, ...]:
     expected = f"{name} must be an int or a tuple of {ndim} ints"
     if _is_int(value):
         values = (value,) * ndim
-    elif isinstance(value, (tuple, list, np.ndarray)) and all(_is_int(v) for v in np.ravel(np.asarray(value, object))):
-        values = tuple(np.ravel(np.asarray(value, object)))
+    elif isinstance(value, (tuple, list)) and all(_is_int(v) for v in value):
+        values = tuple(value)
     else:
         raise TypeError(f"{expected}, got {value!r}")
     if len(values) != ndim:
