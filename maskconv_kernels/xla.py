@@ -163,13 +163,34 @@ def _box_padding(term: Term, spec: ConvSpec):
     )
 
 
+def _crop_negative_padding(xs, pads):
+    """Negative padding as a crop of the input, and the padding that remains (all >= 0).
+
+    XLA:CPU in jaxlib 0.10 transposes a convolution with negative padding wrongly: the
+    input gradient of a one-tap box ``(lo, hi) = (1, -1)`` came back as garbage (1e16)
+    and nonzero at future pixels (found by the causality audit). A crop is the same
+    convolution, and its transpose is a zero pad. ``None`` when the crop leaves nothing:
+    every output of the box then reads padding only.
+    """
+    starts = [max(-lo, 0) for lo, _ in pads]
+    limits = [n - max(-hi, 0) for n, (_, hi) in zip(xs.shape[1:-1], pads)]
+    if any(start >= limit for start, limit in zip(starts, limits)):
+        return None, None
+    if any(starts) or any(n != limit for n, limit in zip(xs.shape[1:-1], limits)):
+        xs = lax.slice(xs, (0, *starts, 0), (xs.shape[0], *limits, xs.shape[-1]))
+    return xs, tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads)
+
+
 def _term_conv(xs, ks, term: Term, spec: ConvSpec):
     groups = spec.groups if term.in_channels is None else 1
+    cropped, pads = _crop_negative_padding(xs, _box_padding(term, spec))
+    if cropped is None:
+        return jnp.zeros((xs.shape[0], *spec.out_spatial, ks.shape[-1]), spec.acc_dtype)
     return lax.conv_general_dilated(
-        xs,
+        cropped,
         ks,
         window_strides=spec.strides,
-        padding=_box_padding(term, spec),
+        padding=pads,
         rhs_dilation=spec.dilation,
         dimension_numbers=spec.dimension_numbers,
         feature_group_count=groups,

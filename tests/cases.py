@@ -57,6 +57,11 @@ CASES = [
     _c("2d_N1_H9_W8_C2_k3A_pad_neg", (1, 9, 8, 2), (3, 3), 3, P((3, 3), A), padding=((2, -1), (3, 0))),
     _c("2d_N1_H6_W7_C3_k1x3_vstack", (1, 6, 7, 3), (3, 3), 4, mk.vertical_stack_mask((3, 3))),
     _c("2d_N1_H6_W7_C3_k1x5_hstackA", (1, 6, 7, 3), (1, 5), 4, mk.horizontal_stack_mask((1, 5), A)),
+    # One tap, a lone box whose convolution has padding (1, -1): jaxlib 0.10's CPU
+    # transpose of that was garbage (found by the causality audit); and a tap that reads
+    # padding only, for every output of a 2x2 input.
+    _c("2d_N1_H7_W6_C1_k1x3_hstackA_onetap", (1, 7, 6, 1), (1, 3), 8, mk.horizontal_stack_mask((1, 3), A)),
+    _c("2d_N1_H2_W2_C2_k1x7_padding_only_tap", (1, 2, 2, 2), (1, 7), 3, np.eye(7, dtype=bool)[6:]),
     _c("2d_N2_H8_W8_C4_k3B_groups2", (2, 8, 8, 4), (3, 3), 6, P((3, 3), B), feature_group_count=2),
     _c("2d_N1_H7_W7_C6_k3_rgbA_full", (1, 7, 7, 6), (3, 3), 6, mk.channel_grouped_mask((3, 3), 6, 6, A)),
     _c("2d_N1_H7_W7_C6_k5_rgbB_full", (1, 7, 7, 6), (5, 5), 9, mk.channel_grouped_mask((5, 5), 6, 9, B)),

@@ -126,7 +126,8 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, kind):
 
 
 def _spec(x_shape, kernel_shape, mask, dtype=np.float32, **kw):
-    return make_spec(np.zeros(x_shape, dtype), np.zeros(kernel_shape, dtype), mask, **kw)
+    # Shapes and dtypes only (float64 stays float64, as under jax_enable_x64).
+    return make_spec(jax.ShapeDtypeStruct(x_shape, dtype), jax.ShapeDtypeStruct(kernel_shape, dtype), mask, **kw)
 
 
 @pytest.mark.parametrize(
