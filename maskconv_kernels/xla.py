@@ -163,27 +163,36 @@ def _box_padding(term: Term, spec: ConvSpec):
     )
 
 
-def _crop_negative_padding(xs, pads):
-    """Negative padding as a crop of the input, and the padding that remains (all >= 0).
+def _safe_conv_padding(xs, pads, box_size, dilation):
+    """The input and padding for a convolution whose low padding lies in ``[0, window - 1]``.
 
-    XLA:CPU in jaxlib 0.10 transposes a convolution with negative padding wrongly: the
-    input gradient of a one-tap box ``(lo, hi) = (1, -1)`` came back as garbage (1e16)
-    and nonzero at future pixels (found by the causality audit). A crop is the same
-    convolution, and its transpose is a zero pad. ``None`` when the crop leaves nothing:
-    every output of the box then reads padding only.
+    jaxlib 0.10's CPU convolution reads garbage (values up to 1e35, changing from run
+    to run, some at future pixels) when a low padding is negative: in the forward pass
+    if ``lo < 0``, and in the input gradient, whose low padding is ``window - 1 - lo``,
+    if ``lo >= window``. A box's padding is often both (a 1x2 box of a 1x5 type-A
+    mask: ``lo = 2``); found by the causality audit. So a negative ``lo`` or ``hi``
+    becomes a crop of the input, and ``lo`` beyond ``window - 1`` an explicit zero pad:
+    the same products, and their transposes are a zero pad and a crop, no convolution.
+    Returns ``(None, None)`` when the crop leaves nothing: every output of the box then
+    reads padding only.
     """
+    spatial = xs.shape[1:-1]
     starts = [max(-lo, 0) for lo, _ in pads]
-    limits = [n - max(-hi, 0) for n, (_, hi) in zip(xs.shape[1:-1], pads)]
+    limits = [n - max(-hi, 0) for n, (_, hi) in zip(spatial, pads)]
     if any(start >= limit for start, limit in zip(starts, limits)):
         return None, None
-    if any(starts) or any(n != limit for n, limit in zip(xs.shape[1:-1], limits)):
+    if any(starts) or list(spatial) != limits:
         xs = lax.slice(xs, (0, *starts, 0), (xs.shape[0], *limits, xs.shape[-1]))
-    return xs, tuple((max(lo, 0), max(hi, 0)) for lo, hi in pads)
+    windows = [d * (n - 1) + 1 for n, d in zip(box_size, dilation)]
+    extra = [max(lo - (w - 1), 0) for (lo, _), w in zip(pads, windows)]
+    if any(extra):
+        xs = lax.pad(xs, jnp.zeros((), xs.dtype), ((0, 0, 0), *((e, 0, 0) for e in extra), (0, 0, 0)))
+    return xs, tuple((max(lo, 0) - e, max(hi, 0)) for (lo, hi), e in zip(pads, extra))
 
 
 def _term_conv(xs, ks, term: Term, spec: ConvSpec):
     groups = spec.groups if term.in_channels is None else 1
-    cropped, pads = _crop_negative_padding(xs, _box_padding(term, spec))
+    cropped, pads = _safe_conv_padding(xs, _box_padding(term, spec), term.box.size, spec.dilation)
     if cropped is None:
         return jnp.zeros((xs.shape[0], *spec.out_spatial, ks.shape[-1]), spec.acc_dtype)
     return lax.conv_general_dilated(
