@@ -6,18 +6,16 @@ The shared suites (agreement, exactness, transforms) already run the kernels thr
 from __future__ import annotations
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, random
+from conftest import assert_close, cuda_lowering, random
 
 import maskconv_kernels as mk
 from maskconv_kernels import core, masked_conv_reference, pallas
 from maskconv_kernels.api import implementation_for
-from maskconv_kernels.hardware import DEVICE_KIND, SM_COUNT
 from maskconv_kernels.pallas import BlockSizes
 from maskconv_kernels.problem import kernel_problem
 from maskconv_kernels.reference import masked_conv_reference_vjp
@@ -27,22 +25,9 @@ KERNEL_NAMES = ("maskconv_fwd", "maskconv_bwd_input", "maskconv_bwd_weight")
 
 
 def _lower_for_cuda(f, *args) -> str:
-    """StableHLO text of ``jax.jit(f)`` lowered for an NVIDIA GPU, on a machine without one.
-
-    jax >= 0.12 asks the Triton lowering for the target GPU's compute capability; without
-    a GPU that comes from an abstract device in an abstract mesh (an H200, what CI's GPU
-    check runs on). Older versions need no device to lower.
-    """
-    traced = lambda: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    with warnings.catch_warnings():
-        # The Pallas Triton backend's deprecation (jax >= 0.11), raised as it lowers: the
-        # backend is used on purpose until the official-Triton backend (issue 7).
-        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
-        if not hasattr(jax.sharding, "AbstractDevice"):
-            return traced()
-        device = jax.sharding.AbstractDevice(device_kind=DEVICE_KIND, num_cores=SM_COUNT, platform="gpu")
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-            return traced()
+    """StableHLO text of ``jax.jit(f)`` lowered for an NVIDIA GPU, on a machine without one."""
+    with cuda_lowering():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 LOWERING_CASES = {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import numpy as np
 
@@ -70,16 +71,24 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
 
 @functools.lru_cache(maxsize=None)
 def _jax_triton_import_error() -> str | None:
-    """Lowering for cuda imports jax-triton, which needs a CUDA jaxlib on the host doing the lowering."""
+    """Lowering for cuda imports jax-triton, which needs a jaxlib with CUDA support on the host doing the lowering."""
+    saved = dict(os.environ)
     try:
-        import jax_triton  # noqa: F401
+        from jax_triton import triton_lib
     except ImportError as e:
-        first = str(e).split(". ")[0]
-        return (
-            f"jax-triton cannot be imported on this host ({first}): lower for cuda where jax has GPU support, "
-            "or use implementation='pallas_triton', which lowers for cuda on any host"
-        )
-    return None
+        # A failed import can leave its settings behind (jax-triton 0.3.1 empties
+        # TRITON_CACHE_DIR first, which then breaks triton.compile in this process).
+        os.environ.clear()
+        os.environ.update(saved)
+        cause = str(e).split(". ")[0]
+    else:
+        if hasattr(getattr(triton_lib, "triton_kernel_call_lib", None), "TritonKernel"):
+            return None
+        cause = "jaxlib here has no GPU Triton support"
+    return (
+        f"jax-triton cannot lower on this host ({cause}): lower for cuda where jax has CUDA support, "
+        "or use implementation='pallas_triton', which lowers for cuda on any host"
+    )
 
 
 # The three kernels, as the core (maskconv_kernels.core) calls them; ops imports triton.
