@@ -171,6 +171,10 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
         assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
         assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
         assert "wgmma.mma_async" in ptx, f"kernel {i}: no Hopper warp-group MMA"
+        # What the TTIR passes give (and a .ttir file compiled without them lacks): the
+        # accumulate fused into the wgmma, and one wgmma group kept in flight.
+        assert "add.f32" not in ptx, f"kernel {i}: the accumulator is added separately from the wgmma"
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"kernel {i}: every wgmma is waited for at once"
 
 
 def _with_ttir_passes(backend=None, stages=None, options=None, language=None, capability=None):
