@@ -17,6 +17,7 @@ import maskconv_kernels as mk
 from maskconv_kernels import core, masked_conv_reference, pallas
 from maskconv_kernels.api import implementation_for
 from maskconv_kernels.pallas import BlockSizes
+from maskconv_kernels.hardware import COMPUTE_CAPABILITY
 from maskconv_kernels.problem import kernel_problem
 from maskconv_kernels.reference import masked_conv_reference_vjp
 from maskconv_kernels.spec import make_spec
@@ -167,7 +168,7 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
         path.write_text(module)
         # Fusion as XLA compiles Pallas kernels (on), stated: triton 3.9 warns when unset.
         options = dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages, enable_fp_fusion=True)
-        ptx = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        ptx = triton.compile(str(path), target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=options).asm["ptx"]
         assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
         assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
         assert "wgmma.mma_async" in ptx, f"kernel {i}: no Hopper warp-group MMA"

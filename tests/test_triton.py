@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import maskconv_kernels as mk  # noqa: E402
 from maskconv_kernels import triton as mk_triton  # noqa: E402
+from maskconv_kernels.hardware import COMPUTE_CAPABILITY  # noqa: E402
 from maskconv_kernels.spec import make_spec  # noqa: E402
 from maskconv_kernels.triton import config, ops  # noqa: E402
 
@@ -104,7 +105,7 @@ def _compile(args):
     source = triton.compiler.ASTSource(
         fn=args["kernel"], signature=args["signature"], constexprs=args["constexprs"], attrs=args["attrs"]
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=args["options"])
+    return triton.compile(source, target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=args["options"])
 
 
 @pytest.mark.parametrize("kind", config.KINDS)
