@@ -176,7 +176,13 @@ for _p in _SPMD.all:
 
 
 def _flavour() -> _Maps:
-    return _SPMD if jax.device_count() > 1 else _PLAIN
+    if jax.device_count() == 1:
+        return _PLAIN
+    # Under an abstract mesh of abstract devices (lowering ahead of time for a GPU this
+    # host lacks, jax >= 0.12) there is no device assignment to partition over.
+    if getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None:
+        return _PLAIN
+    return _SPMD
 
 
 def _out_shape(kind: str, a, call: Call) -> tuple[int, ...]:

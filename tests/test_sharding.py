@@ -264,3 +264,19 @@ def test_spatial_sharding_limits_are_reported():
         )
     with pytest.raises(ValueError, match="not an axis"):
         call(random(9, (1, 16, 4, 3)), axis_name="rows")
+
+
+@needs_mesh
+def test_export_for_cuda_works_in_a_process_with_several_devices():
+    """Kernel lowerings are partitioned where devices are known; an export has none to partition over."""
+    from conftest import cuda_lowering
+    from jax import export
+
+    x, k = random(0, (2, 8, 8, 16)), random(1, (3, 3, 16, 16), scale=0.1)
+    f = jax.jit(jax.value_and_grad(lambda x, k: mk.masked_conv(x, k, M_A).sum(), (0, 1)))
+    with cuda_lowering():
+        exported = export.export(
+            f, platforms=("cpu", "cuda"), disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        )(x, k)
+    assert 'name = "maskconv_fwd"' in exported.mlir_module()
+    np.testing.assert_allclose(exported.call(x, k)[0], f(x, k)[0], rtol=1e-5)
