@@ -27,9 +27,9 @@ The backend is chosen when a primitive is **lowered**, per platform: with
 ``jax.export(..., platforms=("cpu", "cuda"))`` holds the ``xla`` path for CPU and the GPU
 kernels for cuda; a named backend lowers for any platform it can run on and raises
 ``NotImplementedError`` (with the ``interpret=True`` hint) for one it cannot. Each
-lowering is ``mlir.lower_fun`` of the backend's kernel; for kernel backends it is
-wrapped in ``custom_partitioning`` (:mod:`maskconv_kernels.sharding`) so that XLA
-splits it along the batch like a native op.
+lowering is ``mlir.lower_fun`` of the backend's kernel; for kernel backends in a
+process with several devices it is wrapped in ``custom_partitioning``
+(:mod:`maskconv_kernels.sharding`) so that XLA splits it along the batch like a native op.
 
 The backend supplies its three kernels and its support check (:mod:`.backends`); the
 1-D lift, the fixed-order sum of weight-gradient splits and the scatter of active-tap
