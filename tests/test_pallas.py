@@ -162,7 +162,19 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     assert len(modules) == 3, len(modules)
     blocks = BlockSizes.get_default(spec, jnp.bfloat16)
     # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
-    monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", _with_ttir_passes)
+    if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", _with_ttir_passes)
+    else:  # older triton: wrap the backend's stages, and compile afresh (its cache key does not see this)
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        add_stages = CUDABackend.add_stages
+
+        def with_passes(self, stages, options, *rest):
+            add_stages(self, stages, options, *rest)
+            _with_ttir_passes(self, stages, options, None, self._parse_arch(options.arch))
+
+        monkeypatch.setattr(CUDABackend, "add_stages", with_passes)
+        monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
     for i, module in enumerate(modules):
         path = tmp_path / f"kernel{i}.ttir"
         path.write_text(module)
