@@ -126,11 +126,11 @@ def cuda_lowering():
     jax >= 0.12 asks the Triton lowering for the target GPU's compute capability; without
     a GPU that comes from an abstract device in an abstract mesh (an H200, what CI's GPU
     check runs on). Older versions need no device to lower. The Pallas Triton backend's
-    deprecation warning (jax >= 0.11) is the package's to filter, while it lowers; this
-    only makes sure none escapes.
+    deprecation warning (jax >= 0.11) is the package's to filter, while it lowers; here it
+    is an error, so none escapes.
     """
     with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
+        warnings.filterwarnings("error", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
         if not hasattr(jax.sharding, "AbstractDevice"):
             yield
             return
