@@ -105,7 +105,7 @@ PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 "$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-8}")
 # The suites where the compiled GPU backends (pallas, triton, and xla's matmul path) run;
 # the rest (flax, sharding on forced CPU devices, masks, errors) is what CI checks on CPU.
-PYTEST_PATHS=${PYTEST_PATHS:-tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py}
+PYTEST_PATHS=${PYTEST_PATHS:-tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py tests/test_dispatch.py}
 [ -n "$PYTEST_K" ] && PYTEST_ARGS+=(-k "$PYTEST_K")
 # shellcheck disable=SC2086
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
@@ -148,8 +148,8 @@ for key in dict.fromkeys((r["shape"], r["dtype"]) for r in rows):
     sub = [r for r in rows if (r["shape"], r["dtype"]) == key and "ms" in r]
     for kind in ("fwd", "dx", "dw", "step"):
         get = lambda impl, f=None: [r for r in sub if r["impl"] == impl and r["kind"] == kind and (f is None or f(r))]
-        base, dflt = get("baseline"), get("pallas", lambda r: r.get("default"))
-        pal, tri = sorted(get("pallas"), key=lambda r: r["ms"]), get("triton")
+        base, dflt = get("baseline"), get("pallas_triton", lambda r: r.get("default"))
+        pal, tri = sorted(get("pallas_triton"), key=lambda r: r["ms"]), get("triton")
         fmt = lambda rs: f"{rs[0]['ms']:.3f}" if rs else "-"
         best = f"{pal[0]['ms']:.3f} ({','.join(map(str, pal[0]['tile']))})" if pal else "-"
         print(f"| {key[0]} | {key[1]} | {kind} | {fmt(base)} | {fmt(dflt)} | {best} | {fmt(tri)} |")

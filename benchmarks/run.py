@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import maskconv_kernels as mk
-from maskconv_kernels import api
+from maskconv_kernels import api, backends
 from maskconv_kernels.spec import make_spec
 
 from .shapes import SHAPES, BenchShape
@@ -178,7 +178,7 @@ def implementations(spec, platform_name: str) -> tuple[list[str], dict[str, str]
     ok, skipped = [], {}
     for name in api.IMPLEMENTATIONS:
         try:
-            reason = api._backend(name).unsupported(spec, platform_name, interpret=False)
+            reason = backends.get(name).unsupported(spec, backends.lowering_platform(platform_name), interpret=False)
         except Exception as e:  # a backend that cannot even be imported here
             reason = f"{type(e).__name__}: {e}"
         if reason is None:

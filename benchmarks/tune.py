@@ -9,10 +9,15 @@ ever been chosen, not measured. For each shape and dtype it times:
 
 * ``baseline``: cuDNN's forward, input gradient (``vjp`` in ``x`` only) and weight
   gradient (``vjp`` in the kernel only) of ``lax.conv_general_dilated(x, kernel*mask)``;
-* ``pallas``: ``kernels.forward`` / ``input_grad`` / ``weight_grad`` alone, once per
-  candidate tile (``CANDIDATES``; the heuristic's pick is marked ``default``);
-* ``triton``: each kernel's autotune timings (``ops._time``'s) and the chosen config,
-  re-timed with the same timer as the others.
+* ``pallas_triton``: each kernel alone (``masked_conv`` for the forward, its
+  ``jax.linear_transpose`` in ``x`` for the input gradient and in the kernel for the
+  weight gradient: each runs one kernel), once per candidate tile passed as
+  ``config=BlockSizes(...)`` (``CANDIDATES``; the heuristic's pick is marked ``default``);
+* ``triton``: each kernel's autotune timings (``triton.ops.timings()``) and the chosen
+  config (``triton.ops.tuned()``), re-timed with the same timer as the others through
+  ``config=Configs(...)``.
+
+Public names only: what a user tuning a config would call.
 
 Candidates are compiled in parallel threads (XLA and Triton compile outside the GIL)
 and timed one after the other. Writes one JSON file and prints a table per shape.
@@ -34,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import maskconv_kernels as mk
-from maskconv_kernels.pallas import BlockSizes, conv as pallas_conv, kernels as pallas_kernels
+from maskconv_kernels.pallas import BlockSizes
 from maskconv_kernels.spec import make_spec
 
 from .run import DTYPES, metadata
@@ -151,53 +156,55 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
         cands = {gemm_of(kind, default): default}
         for cand in CANDIDATES[np.dtype(dtype).itemsize]:
             cands.setdefault(cand, blocks_for(kind, default, cand))
-        fns, args = {}, {}
-        for cand, blocks in cands.items():
-            g = pallas_conv._plan(spec, blocks, False).geometry
-            if spec.ndim == 1:
-                raise NotImplementedError("tune.py times the 2-D acceptance shapes")
-            fns[cand] = _pallas_fn(kind, g, cpu_check)
-            args[cand] = (x, k, dy)
-        compiled = _compile_all(fns, args, f"{shape.name} {dtype_name} Pallas {kind} tiles")
+        fns = {cand: one_kernel(kind, shape, "pallas_triton", blocks, cpu_check) for cand, blocks in cands.items()}
+        compiled = _compile_all(fns, {cand: (x, k, dy) for cand in fns}, f"{shape.name} {dtype_name} Pallas {kind} tiles")
         for cand, c in compiled.items():
             t = c if isinstance(c, str) else time_fn(c, (x, k, dy))
-            row("pallas", kind, t, tile=list(cand), default=cand == gemm_of(kind, default))
+            row("pallas_triton", kind, t, tile=list(cand), default=cand == gemm_of(kind, default))
 
-    # Triton: the autotuner's own timings, then its pick under this timer.
+    # Triton: the autotuner's own timings (at the first lowering of each kernel), then
+    # its pick under this timer.
     try:
-        from maskconv_kernels.triton import ops as triton_ops
+        from maskconv_kernels.triton import Configs, ops as triton_ops
+
+        jax.jit(jax.value_and_grad(
+            lambda x, k: mk.masked_conv(x, k, shape.mask, implementation="triton", **shape.conv_args)
+            .astype(jnp.float32).sum(), (0, 1))).lower(x, k)
     except Exception as e:  # noqa: BLE001 - no triton / jax-triton here
-        row("triton", "all", f"{type(e).__name__}: {e}"[:300])
+        row("triton", "all", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         return rows
     p = triton_ops.problem(spec, batch, dtype)
-    launch = {"fwd": (x, k), "dx": (dy, k), "dw": (x, dy)}
+    tuned, timings = triton_ops.tuned(), triton_ops.timings()
     for kind in ("fwd", "dx", "dw"):
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline or (kind, p) not in tuned:
             break
+        best = tuned[(kind, p)]
         try:
-            t0 = time.perf_counter()
-            best = triton_ops._select(kind, p)
-            print(f"  autotuned Triton {kind} in {time.perf_counter() - t0:.1f} s", flush=True)
-            timings = triton_ops.timings().get((kind, p), {})
-            c = jax.jit(lambda *a, kind=kind, best=best: triton_ops._launch(kind, p, best, *a))
-            t = time_fn(c, launch[kind])
+            c = jax.jit(one_kernel(kind, shape, "triton", Configs(**{kind: best}), cpu_check))
+            t = time_fn(c, (x, k, dy))
         except Exception as e:  # noqa: BLE001
             row("triton", kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
             continue
         row("triton", kind, t, tile=dataclasses.asdict(best),
-            autotune={json.dumps(dataclasses.asdict(cfg)): s * 1e3 for cfg, s in timings.items()})
+            autotune={json.dumps(dataclasses.asdict(cfg)): s * 1e3 for cfg, s in timings.get((kind, p), {}).items()})
     return rows
 
 
-def _pallas_fn(kind: str, g, interpret: bool):
-    def pad(k):
-        return jnp.pad(k, ((0, 0), (0, 0), (0, g.c_in_pad - g.c_in), (0, g.c_out_pad - g.c_out)))
+def one_kernel(kind: str, shape: BenchShape, implementation: str, config, interpret: bool):
+    """``(x, k, dy) -> out`` running one of the three kernels of ``implementation`` with ``config``.
+
+    The input and weight gradients are the transposes of the forward in ``x`` and in the
+    kernel (``jax.linear_transpose``): each is one kernel, with no forward beside it.
+    """
+    def conv(x, k):
+        return mk.masked_conv(x, k, shape.mask, implementation=implementation, config=config, interpret=interpret,
+                              **shape.conv_args)
 
     if kind == "fwd":
-        return lambda x, k, dy: pallas_kernels.forward(x, pad(k), g, dy.dtype, interpret)
+        return lambda x, k, dy: conv(x, k)
     if kind == "dx":
-        return lambda x, k, dy: pallas_kernels.input_grad(dy, pad(k), g, x.dtype, interpret)
-    return lambda x, k, dy: pallas_kernels.weight_grad(x, dy, g, k.dtype, interpret)
+        return lambda x, k, dy: jax.linear_transpose(lambda x_: conv(x_, k), x)(dy)[0]
+    return lambda x, k, dy: jax.linear_transpose(lambda k_: conv(x, k_), k)(dy)[0]
 
 
 def table(rows: list[dict]) -> str:
@@ -221,7 +228,7 @@ def table(rows: list[dict]) -> str:
             if "ms" in r and r["kind"] in ("fwd", "dx", "dw"):
                 key = (r["impl"], r["kind"])
                 best[key] = min(best.get(key, np.inf), r["ms"])
-        for impl in ("pallas", "triton"):
+        for impl in ("pallas_triton", "triton"):
             if all((impl, kd) in best for kd in ("fwd", "dx", "dw")):
                 ours = sum(best[(impl, kd)] for kd in ("fwd", "dx", "dw"))
                 cudnn = sum(best.get(("baseline", kd), np.nan) for kd in ("fwd", "dx", "dw"))

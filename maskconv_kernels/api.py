@@ -1,49 +1,36 @@
-"""The public entry point: :func:`masked_conv`, its validation and backend dispatch.
+"""The public entry point: :func:`masked_conv`, its validation and the choice of backend.
 
-A backend is a module with two functions:
-
-* ``unsupported(spec: ConvSpec, platform: str, interpret: bool) -> str | None``: why it
-  cannot run this problem on this platform (``None`` when it can);
-* ``masked_conv(x, kernel, spec, *, interpret: bool) -> jax.Array``.
-
-``implementation=None`` tries ``PREFERENCE`` in order and takes the first backend that
-supports the problem; ``"xla"`` supports everything, so it is the fallback.
+Backends are records in :mod:`maskconv_kernels.backends`; the three linear maps every
+backend computes, with their derivatives, batching and per-platform lowering, are
+:mod:`maskconv_kernels.core`. ``implementation=None`` chooses a backend per platform
+*when the function is lowered* (the first of ``PREFERENCE`` that supports the problem
+there; ``"xla"`` supports everything), so one exported artifact can hold the ``xla`` path
+for CPU and the GPU kernels for cuda.
 """
 from __future__ import annotations
 
-import importlib
+import warnings
 
 import jax
 import jax.numpy as jnp
 
-from .sharding import partitioned_masked_conv
+from . import backends as _backends
+from . import core
+from .backends import IMPLEMENTATIONS, PREFERENCE
 from .spec import as_operand, make_spec
 
-__all__ = ["masked_conv", "IMPLEMENTATIONS", "implementation_for"]
+__all__ = ["masked_conv", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
 
-# name -> module holding the backend; imported on first use, so optional
-# dependencies (triton, jax-triton) are only needed by those who ask for them.
-_MODULES = {
-    "pallas": "maskconv_kernels.pallas",
-    "triton": "maskconv_kernels.triton",
-    "xla": "maskconv_kernels.xla",
-}
-IMPLEMENTATIONS = tuple(_MODULES)
-# Tried in order by implementation=None.
-PREFERENCE = ("pallas", "xla")
-
-
-def _backend(name: str):
-    return importlib.import_module(_MODULES[name])
+# Old names, accepted with a DeprecationWarning.
+_RENAMED = {"pallas": "pallas_triton"}
 
 
 def implementation_for(spec, platform: str | None = None, interpret: bool = False) -> str:
-    """The backend ``implementation=None`` picks for ``spec`` on ``platform`` (default: jax's)."""
-    platform = platform or jax.default_backend()
-    for name in PREFERENCE:
-        if _backend(name).unsupported(spec, platform, interpret) is None:
-            return name
-    raise AssertionError("the xla backend supports every problem")  # pragma: no cover
+    """The backend ``implementation=None`` lowers ``spec`` with for ``platform`` (default: jax's).
+
+    ``platform``: a lowering platform (``"cpu"``, ``"cuda"``, ...) or jax's ``"gpu"``.
+    """
+    return _backends.choose(spec, _backends.lowering_platform(platform), interpret).name
 
 
 def masked_conv(
@@ -59,6 +46,7 @@ def masked_conv(
     preferred_element_type=None,
     implementation: str | None = None,
     interpret: bool = False,
+    config=None,
 ) -> jax.Array:
     """Exact masked convolution, channels-last: masked taps are never read.
 
@@ -78,9 +66,11 @@ def masked_conv(
         IEEE float32 products on GPUs (no TF32).
       preferred_element_type: output dtype; defaults to ``x.dtype``. Accumulation is in
         float32 for every input dtype narrower than that.
-      implementation: ``None`` (the best backend that supports the problem on this
-        platform) or one of ``IMPLEMENTATIONS``.
+      implementation: ``None`` (per platform, when lowered: the first backend of
+        ``PREFERENCE`` that supports the problem there) or one of ``IMPLEMENTATIONS``.
       interpret: run kernel backends in interpret mode (for tests on CPU).
+      config: the named implementation's frozen config (``pallas.BlockSizes``,
+        ``triton.Configs``, ``xla.XlaConfig``), or ``None`` for its default.
 
     Returns:
       ``(N, *out_spatial, C_out)``. For finite inputs it equals
@@ -90,7 +80,9 @@ def masked_conv(
 
     Raises:
       ValueError, TypeError: bad arguments (the message names the argument).
-      NotImplementedError: the requested implementation does not support this problem.
+      NotImplementedError: the requested implementation does not support this problem
+        (when called), or cannot run on a platform the function is lowered for (when
+        lowered; e.g. a GPU backend lowered for CPU without ``interpret=True``).
     """
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be True or False, got {interpret!r}")
@@ -100,16 +92,25 @@ def masked_conv(
         feature_group_count=feature_group_count, precision=precision,
         preferred_element_type=preferred_element_type,
     )
-    if implementation is None:
-        implementation = implementation_for(spec, interpret=interpret)
-    elif implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    else:
-        reason = _backend(implementation).unsupported(spec, jax.default_backend(), interpret)
+    backend = None
+    if implementation is not None:
+        if implementation in _RENAMED:
+            warnings.warn(
+                f'implementation="{implementation}" is now "{_RENAMED[implementation]}"', DeprecationWarning, stacklevel=2
+            )
+            implementation = _RENAMED[implementation]
+        backend = _backends.get(implementation)
+        # The problem alone here; the platform when the function is lowered.
+        reason = backend.unsupported(spec, None, interpret)
         if reason is not None:
             raise NotImplementedError(f'implementation="{implementation}" does not support this problem: {reason}')
+        if config is not None and not isinstance(config, backend.config_class()):
+            raise TypeError(
+                f'config for implementation="{implementation}" must be a {backend.config_class().__name__} or None, '
+                f"got {type(config).__name__}"
+            )
+    elif config is not None:
+        raise ValueError("config= is the config of one backend: name it with implementation=")
     if x.shape[0] == 0:  # an empty batch: nothing to compute (the kernels' grids cannot be empty)
         return jnp.zeros((0, *spec.out_spatial, spec.c_out), spec.out_dtype)
-    # Kernel backends are custom calls XLA cannot partition: this wraps them so a
-    # batch-sharded x stays sharded under jit (see maskconv_kernels/sharding.py).
-    return partitioned_masked_conv(implementation, _backend(implementation), x, kernel, spec, interpret=interpret)
+    return core.masked_conv(x, kernel, spec, backend=backend, interpret=interpret, config=config)

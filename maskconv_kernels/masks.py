@@ -109,6 +109,15 @@ class Mask:
             return ()
         return tuple(t for t in self.active_taps if not self.bits[t].all())
 
+    @functools.cached_property
+    def raster_run(self) -> int | None:
+        """The first active tap's flat (raster) index when the active taps are one raster run, else None.
+
+        PixelCNN, causal and stack masks are runs: a kernel names the ``t``-th active tap
+        by a division of ``t + run`` instead of a chain of selects.
+        """
+        return raster_run(int(np.ravel_multi_index(t, self.window)) for t in self.active_taps)
+
     def active_entries(self, c_in: int, c_out: int) -> int:
         """Number of active (tap, c_in, c_out) products, the FLOP count's unit."""
         if self.is_full:
@@ -182,6 +191,14 @@ def _boxes(taps: np.ndarray) -> list[Box]:
         left[tuple(slice(s, s + n) for s, n in zip(box.start, box.size))] = False
         boxes.append(box)
     return boxes
+
+
+def raster_run(flat_taps) -> int | None:
+    """The first of sorted flat tap indices when they are consecutive (one raster run), else None."""
+    flat = list(flat_taps)
+    if not flat or flat != list(range(flat[0], flat[0] + len(flat))):
+        return None
+    return flat[0]
 
 
 def as_mask(mask, kernel_shape: Sequence[int]) -> Mask:

@@ -12,84 +12,91 @@ one of two strategies, chosen per platform when the function is lowered:
   exact on every platform; it is what GPUs and TPUs run, where a convolution call may
   pick Winograd or FFT and mix neighbouring windows.
 
-Masked taps are never read, so the backward pass, the transpose of these same linear
-maps, never writes to inputs reachable only through masked taps and leaves masked
-kernel entries at exactly zero.
+Masked taps are never read, so the gradients, the transposes of these same linear
+maps, never write to inputs reachable only through masked taps and leave masked
+kernel entries at exactly zero. Differentiation, batching and the per-platform choice
+are :mod:`maskconv_kernels.core`'s, shared with the kernel backends.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core as jcore  # auto_insert_reshard: the vma cast lax's binary ops insert
 
 from .masks import Mask, Term
 from .spec import ConvSpec
 
-__all__ = ["masked_conv", "unsupported", "STRATEGIES"]
+__all__ = ["XlaConfig", "STRATEGIES", "unsupported", "forward", "input_grad", "weight_grad"]
 
 STRATEGIES = ("auto", "conv", "matmul")
 
 
-def unsupported(spec: ConvSpec, platform: str, interpret: bool = False) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """The ``xla`` backend's config: how each dense piece is computed.
+
+    ``strategy``: ``"auto"`` (``"conv"`` when lowered for CPU, ``"matmul"`` elsewhere),
+    ``"conv"`` or ``"matmul"``.
+    """
+
+    strategy: str = "auto"
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"XlaConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+
+
+def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
     """The pure-JAX backend runs every problem on every platform."""
     return None
 
 
-def masked_conv(
-    x: jax.Array, kernel: jax.Array, spec: ConvSpec, strategy: str = "auto", *, interpret: bool = False
-) -> jax.Array:
-    """Exact masked convolution.
-
-    Args:
-      x: ``(N, *spatial, C_in)``, floating.
-      kernel: ``(*window, C_in // groups, C_out)``, same dtype as ``x``.
-      spec: the validated problem (:func:`maskconv_kernels.spec.make_spec`).
-      strategy: ``"auto"`` (``"conv"`` on CPU, ``"matmul"`` elsewhere), ``"conv"`` or ``"matmul"``.
-      interpret: ignored (there is no kernel to interpret); accepted for the backend interface.
-
-    Returns:
-      ``(N, *out_spatial, C_out)`` in ``spec.out_dtype``, accumulated in ``spec.acc_dtype``
-      (float32 for 16-bit inputs).
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    del interpret
-    return _masked_conv(x, kernel, spec, strategy)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _masked_conv(x, kernel, spec, strategy):
-    return _by_platform(strategy, lambda s: _forward(x, kernel, spec, s))
-
-
-def _masked_conv_fwd(x, kernel, spec, strategy):
-    return _masked_conv(x, kernel, spec, strategy), (x, kernel)
-
-
-def _masked_conv_bwd(spec, strategy, residuals, dy):
-    x, kernel = residuals
-
-    def transpose(s):
-        # The forward is linear in each argument: its transpose is the exact backward,
-        # built from the same active pieces (and nothing else).
-        (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, s), x)(dy)
-        (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, s), kernel)(dy)
-        return dx, dk
-
-    return _by_platform(strategy, transpose)
-
-
-_masked_conv.defvjp(_masked_conv_fwd, _masked_conv_bwd)
-
-
-def _by_platform(strategy, fn):
+def _strategy(job) -> str:
+    strategy = (job.config or XlaConfig()).strategy
     if strategy != "auto":
-        return fn(strategy)
-    # Decided at lowering time, so a function lowered for GPU never holds a convolution.
-    return lax.platform_dependent(cpu=lambda: fn("conv"), default=lambda: fn("matmul"))
+        return strategy
+    # Decided per lowering platform, so a function lowered for GPU never holds a convolution.
+    return "conv" if job.platform == "cpu" else "matmul"
+
+
+# The three maps the core (maskconv_kernels.core) lowers. The forward is linear in each
+# argument: its transposes are the exact gradients, built from the same active pieces
+# (and nothing else).
+
+
+def _zeros_like_varying(shape, dtype, other):
+    """The primal point of a transpose: zeros typed to vary over the manual axes ``other`` varies over.
+
+    Inside ``shard_map`` a primal that does not vary where the cotangent does would make
+    the transpose sum over those axes; the core's primitives already did that (once).
+    """
+    return jcore.auto_insert_reshard(other, jnp.zeros(shape, dtype))[1]
+
+
+def forward(x, kernel, job, out_dtype):
+    """``(N, *out_spatial, C_out)`` from ``x: (N, *spatial, C_in)`` and the kernel."""
+    return _forward(x.astype(job.dtype), kernel.astype(job.dtype), job.spec, _strategy(job)).astype(out_dtype)
+
+
+def input_grad(dy, kernel, job, out_dtype):
+    """``dx: (N, *spatial, C_in)`` from ``dy: (N, *out_spatial, C_out)``."""
+    spec, strategy = job.spec, _strategy(job)
+    x = _zeros_like_varying((dy.shape[0], *spec.in_spatial, spec.c_in), job.dtype, dy)
+    kernel = kernel.astype(job.dtype)
+    (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy), x)(dy.astype(spec.out_dtype))
+    return dx.astype(out_dtype)
+
+
+def weight_grad(x, dy, job, out_dtype):
+    """``dk: (*window, C_in // groups, C_out)``, exactly zero on masked entries (never computed)."""
+    spec, strategy = job.spec, _strategy(job)
+    kernel = _zeros_like_varying((*spec.window, spec.c_in // spec.groups, spec.c_out), job.dtype, dy)
+    x = x.astype(job.dtype)
+    (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy), kernel)(dy.astype(spec.out_dtype))
+    return dk.astype(out_dtype)
 
 
 def _forward(x, kernel, spec: ConvSpec, strategy: str):

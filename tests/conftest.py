@@ -1,17 +1,16 @@
 """One suite for every backend: tests take the ``conv`` fixture, the function under test.
 
 Each entry of ``BACKENDS`` has the signature of :func:`maskconv_kernels.masked_conv`
-(without ``implementation``). Kernel backends add themselves here; slow ones (Pallas
-in interpret mode) mark themselves ``slow_backend`` so that heavy cases can skip them
-with a reason.
+(without ``implementation``), one per backend of the registry
+(:mod:`maskconv_kernels.backends`) that can run here; slow ones (interpreters) are in
+``SLOW_BACKENDS`` so that heavy cases can skip them with a reason.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import importlib
-import importlib.util
-
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +19,13 @@ import pytest
 from hypothesis import settings
 
 import maskconv_kernels as mk
-from maskconv_kernels import xla
-from maskconv_kernels.spec import as_operand, make_spec
+from maskconv_kernels import backends
+from maskconv_kernels.hardware import DEVICE_KIND, SM_COUNT
+from maskconv_kernels.spec import make_spec
+from maskconv_kernels.xla import XlaConfig
 
 ON_GPU = jax.default_backend() == "gpu"
+PLATFORM = backends.lowering_platform()
 
 # Hypothesis: a few examples per backend in the README's test command, more in the slow
 # tier (.ci/run sets HYPOTHESIS_PROFILE=ci). Derandomized: a failure reproduces.
@@ -38,12 +40,11 @@ class Backend:
 
     implementation: str
     interpret: bool = False
-    strategy: str | None = None  # xla only: force "conv" or "matmul"
+    config: object = None  # the backend's config, e.g. XlaConfig("matmul")
 
     def unsupported(self, x, kernel, mask, **kw) -> str | None:
         spec = make_spec(x, kernel, mask, **kw)
-        module = importlib.import_module(f"maskconv_kernels.{self.implementation}")
-        return module.unsupported(spec, jax.default_backend(), self.interpret)
+        return backends.get(self.implementation).unsupported(spec, PLATFORM, self.interpret)
 
     def __call__(self, x, kernel, mask, **kw):
         if ON_GPU and kw.get("precision") is None:
@@ -56,31 +57,29 @@ class Backend:
             # Explicit implementation= raising NotImplementedError for these is tested in
             # the backend's own tests; here the shared cases would only repeat that.
             pytest.skip(f'implementation="{self.implementation}" does not support this case: {reason}')
-        if self.strategy is not None:
-            x, kernel = as_operand("x", x), as_operand("kernel", kernel)
-            return xla.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), self.strategy)
-        return mk.masked_conv(x, kernel, mask, implementation=self.implementation, interpret=self.interpret, **kw)
+        return mk.masked_conv(
+            x, kernel, mask, implementation=self.implementation, interpret=self.interpret, config=self.config, **kw
+        )
 
 
-BACKENDS = {
-    "xla": Backend("xla"),
-    # What the "xla" backend runs on GPUs and TPUs, tested here on the CPU.
-    "xla_matmul": Backend("xla", strategy="matmul"),
-    # The Pallas kernels, run by the Pallas interpreter: what CI checks on CPU.
-    "pallas_interpret": Backend("pallas", interpret=True),
-}
-if importlib.util.find_spec("triton") is not None:
-    # The Triton kernels, run by Triton's interpreter (a helper process; no jax-triton).
-    BACKENDS["triton_interpret"] = Backend("triton", interpret=True)
-if ON_GPU:
-    # Compiled kernels replace the (slow, redundant) interpreters there.
-    BACKENDS.pop("pallas_interpret")
-    BACKENDS.pop("triton_interpret", None)
-    BACKENDS["pallas"] = Backend("pallas")
-    # Official Triton through jax-triton.
-    BACKENDS["triton"] = Backend("triton")
+def _backends() -> dict[str, Backend]:
+    """Every registered backend that can run here: kernel backends compiled on GPUs, in
+    their interpreters elsewhere (what CI checks on CPU); one whose package is missing
+    here (triton without the extra) is left out, and its own tests say so."""
+    probe = make_spec(np.zeros((1, 4, 4, 2), np.float32), np.zeros((3, 3, 2, 2), np.float32), np.ones((3, 3)))
+    found = {"xla": Backend("xla"), "xla_matmul": Backend("xla", config=XlaConfig("matmul"))}  # what GPUs run, on CPU
+    for name, record in backends.BACKENDS.items():
+        if not record.kernel_problem:
+            continue
+        backend = Backend(name) if ON_GPU else Backend(name, interpret=True)
+        if record.unsupported(probe, PLATFORM, backend.interpret) is None:
+            found[name if ON_GPU else f"{name}_interpret"] = backend
+    return found
+
+
+BACKENDS = _backends()
 # Backends too slow for large or many cases (interpret mode).
-SLOW_BACKENDS: set[str] = {"pallas_interpret", "triton_interpret"}
+SLOW_BACKENDS: set[str] = {name for name, b in BACKENDS.items() if b.interpret}
 
 
 # The interpreted kernel backends run the shared suites in the slow tier (.ci/run runs
@@ -163,3 +162,23 @@ def assert_second_order_close(actual, x, k, mask, **conv_args):
     pixels = int(np.prod(x.shape[:-1]))
     reduction = taps * k.shape[-2] + taps * k.shape[-1] + pixels
     assert_close(actual, expected, np.float32, reduction, float(magnitude.max()))
+
+
+@contextlib.contextmanager
+def cuda_lowering():
+    """Lowering for an NVIDIA GPU on a machine without one.
+
+    jax >= 0.12 asks the Triton lowering for the target GPU's compute capability; without
+    a GPU that comes from an abstract device in an abstract mesh (an H200, what CI's GPU
+    check runs on). Older versions need no device to lower. The Pallas Triton backend's
+    deprecation warning (jax >= 0.11) is the package's to filter, while it lowers; here it
+    is an error, so none escapes.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
+        if not hasattr(jax.sharding, "AbstractDevice"):
+            yield
+            return
+        device = jax.sharding.AbstractDevice(device_kind=DEVICE_KIND, num_cores=SM_COUNT, platform="gpu")
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+            yield

@@ -1,23 +1,24 @@
-"""The Pallas backend's own tests: GPU lowering on CPU, its limits, its config, channel tiles.
+"""The ``pallas_triton`` backend's own tests: GPU lowering on CPU, its limits, its config, channel tiles.
 
 The shared suites (agreement, exactness, transforms) already run the kernels through the
-``pallas_interpret`` backend of ``conftest.py``; these cover what they cannot.
+``pallas_triton_interpret`` backend of ``conftest.py``; these cover what they cannot.
 """
 from __future__ import annotations
 
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, random
+from conftest import assert_close, cuda_lowering, random
 
 import maskconv_kernels as mk
-from maskconv_kernels import masked_conv_reference, pallas
+from maskconv_kernels import core, masked_conv_reference, pallas
 from maskconv_kernels.api import implementation_for
 from maskconv_kernels.pallas import BlockSizes
+from maskconv_kernels.hardware import COMPUTE_CAPABILITY
+from maskconv_kernels.problem import kernel_problem
 from maskconv_kernels.reference import masked_conv_reference_vjp
 from maskconv_kernels.spec import make_spec
 
@@ -25,22 +26,9 @@ KERNEL_NAMES = ("maskconv_fwd", "maskconv_bwd_input", "maskconv_bwd_weight")
 
 
 def _lower_for_cuda(f, *args) -> str:
-    """StableHLO text of ``jax.jit(f)`` lowered for an NVIDIA GPU, on a machine without one.
-
-    jax >= 0.12 asks the Triton lowering for the target GPU's compute capability; without
-    a GPU that comes from an abstract device in an abstract mesh (an H200, what CI's GPU
-    check runs on). Older versions need no device to lower.
-    """
-    traced = lambda: jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    with warnings.catch_warnings():
-        # The Pallas Triton backend's deprecation (jax >= 0.11), raised as it lowers: the
-        # backend is used on purpose until the official-Triton backend (issue 7).
-        warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
-        if not hasattr(jax.sharding, "AbstractDevice"):
-            return traced()
-        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-            return traced()
+    """StableHLO text of ``jax.jit(f)`` lowered for an NVIDIA GPU, on a machine without one."""
+    with cuda_lowering():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 LOWERING_CASES = {
@@ -59,10 +47,9 @@ def test_value_and_grad_lowers_for_cuda_to_three_kernels_and_no_convolution(name
     x_shape, k_shape, mask, kw, dtype = LOWERING_CASES[name]
     x = jnp.zeros(x_shape, dtype)
     k = jnp.zeros(k_shape, dtype)
-    spec = make_spec(x, k, mask, **kw)
 
     def loss(x, k):
-        return pallas.masked_conv(x, k, spec, platform="gpu").astype(jnp.float32).sum()
+        return mk.masked_conv(x, k, mask, implementation="pallas_triton", **kw).astype(jnp.float32).sum()
 
     text = _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
     calls = re.findall(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(", text)
@@ -72,15 +59,26 @@ def test_value_and_grad_lowers_for_cuda_to_three_kernels_and_no_convolution(name
     assert "stablehlo.convolution" not in text
 
 
+def _kernel_jaxprs_of(spec, dtype, platform="cuda") -> dict:
+    """``{pallas_call name: kernel jaxpr}`` of the three kernels as the core lowers them for ``platform``."""
+    job = core.Job(spec, kernel_problem(spec), None, False, platform, np.dtype(dtype))
+    p, n = job.problem, 2
+    x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
+    y = jax.ShapeDtypeStruct(p.y_shape(n), spec.out_dtype)
+    k = jax.ShapeDtypeStruct(p.kernel_shape(), dtype)
+    found = {}
+    for fn, args in ((pallas.forward, (x, k)), (pallas.input_grad, (y, k)), (pallas.weight_grad, (x, y))):
+        found.update(_kernel_jaxprs(jax.make_jaxpr(lambda a, b: fn(a, b, job, np.dtype(dtype)))(*args).jaxpr))
+    return found
+
+
 def test_highest_precision_reaches_the_kernel_dots():
     x, k = random(0, (1, 5, 6, 3)), random(1, (3, 3, 3, 4))
     mask = mk.pixelcnn_mask((3, 3), "B")
-    jaxpr = lambda precision: str(
-        jax.make_jaxpr(lambda x, k: pallas.masked_conv(x, k, make_spec(x, k, mask, precision=precision),
-                                                       interpret=True))(x, k)
-    )
-    assert "HIGHEST" in jaxpr("highest")
-    assert "HIGHEST" not in jaxpr(None)  # TF32 on GPUs: Triton's default for float32 dots
+    jaxprs = lambda precision: " ".join(map(str, _kernel_jaxprs_of(make_spec(x, k, mask, precision=precision),
+                                                                    np.float32).values()))
+    assert "HIGHEST" in jaxprs("highest")
+    assert "HIGHEST" not in jaxprs(None)  # TF32 on GPUs: Triton's default for float32 dots
 
 
 def _kernel_jaxprs(jaxpr) -> dict:
@@ -122,9 +120,7 @@ def test_kernel_code_does_not_grow_with_the_taps(mask):
     """
     x = jax.ShapeDtypeStruct((2, 16, 16, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((*mask.shape, 64, 64), jnp.bfloat16)
-    spec = make_spec(x, k, mask)
-    loss = lambda x, k: pallas.masked_conv(x, k, spec, platform="gpu").astype(jnp.float32).sum()
-    kernels = _kernel_jaxprs(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(x, k).jaxpr)
+    kernels = _kernel_jaxprs_of(make_spec(x, k, mask), jnp.bfloat16)
     assert set(kernels) == set(KERNEL_NAMES)
     for name, kernel in kernels.items():
         assert _count(kernel, "dot_general") == 1, name
@@ -135,9 +131,14 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     """bf16, N=64, 32x32, C=256: every kernel's loads are pipelined ``cp.async`` feeding ``wgmma``.
 
     The Triton IR that jax's Pallas lowering hands to XLA, captured and compiled for
-    sm_90 by the ``triton`` package, as XLA would on an H200. It guards what a small
-    change can silently lose: clamping the channel index once turned the x and dy
-    gathers into scalar loads with no pipelining (benchmarks/results/h200-2026-11-30-first-run).
+    sm_90 by the ``triton`` package with the stages a kernel goes through at run time:
+    Triton's own TTIR passes (``make_ttir``: inliner, canonicalizer, combine, CSE, loop
+    unrolling; what XLA's Triton pipeline runs first), then TTGIR, LLVM IR and PTX. A
+    file of IR alone would skip the TTIR passes (Triton takes a ``.ttir`` file as already
+    through them), and that build differs from the one that runs: it keeps a separate
+    accumulator and waits after every ``wgmma``. It guards what a small change can
+    silently lose: clamping the channel index once turned the x and dy gathers into
+    scalar loads with no pipelining (benchmarks/results/h200-2026-11-30-first-run).
     """
     triton = pytest.importorskip("triton", reason="compiling the Pallas kernels' Triton IR needs triton")
     from jax._src.pallas.triton import lowering  # the one place jax exposes the Triton module it lowers to
@@ -154,20 +155,50 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
     x = jnp.zeros((64, 32, 32, 256), jnp.bfloat16)
     k = jnp.zeros((*window, 256, 256), jnp.bfloat16)
-    spec = make_spec(x, k, mk.pixelcnn_mask(window, mask_type))
-    loss = lambda x, k: pallas.masked_conv(x, k, spec, platform="gpu").astype(jnp.float32).sum()
+    mask = mk.pixelcnn_mask(window, mask_type)
+    spec = make_spec(x, k, mask)
+    loss = lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton").astype(jnp.float32).sum()
     _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
     assert len(modules) == 3, len(modules)
     blocks = BlockSizes.get_default(spec, jnp.bfloat16)
+    # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
+    if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", _with_ttir_passes)
+    else:  # older triton: wrap the backend's stages, and compile afresh (its cache key does not see this)
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        add_stages = CUDABackend.add_stages
+
+        def with_passes(self, stages, options, *rest):
+            add_stages(self, stages, options, *rest)
+            _with_ttir_passes(self, stages, options, None, self._parse_arch(options.arch))
+
+        monkeypatch.setattr(CUDABackend, "add_stages", with_passes)
+        monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
     for i, module in enumerate(modules):
         path = tmp_path / f"kernel{i}.ttir"
         path.write_text(module)
         # Fusion as XLA compiles Pallas kernels (on), stated: triton 3.9 warns when unset.
         options = dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages, enable_fp_fusion=True)
-        ptx = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        ptx = triton.compile(str(path), target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=options).asm["ptx"]
         assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
         assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
         assert "wgmma.mma_async" in ptx, f"kernel {i}: no Hopper warp-group MMA"
+        # What the TTIR passes give (and a .ttir file compiled without them lacks): the
+        # accumulate fused into the wgmma, and one wgmma group kept in flight.
+        assert "add.f32" not in ptx, f"kernel {i}: the accumulator is added separately from the wgmma"
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"kernel {i}: every wgmma is waited for at once"
+
+
+def _with_ttir_passes(backend=None, stages=None, options=None, language=None, capability=None):
+    """A stages hook: the TTGIR stage first runs the TTIR stage's passes (a .ttir file skips them).
+
+    Called without arguments, Triton asks for the hook's part of the cache key.
+    """
+    if backend is None:
+        return "-ttir-passes-first", "ttir-passes-first"
+    to_ttgir = stages["ttgir"]
+    stages["ttgir"] = lambda src, metadata: to_ttgir(backend.make_ttir(src, metadata, options, capability), metadata)
 
 
 _SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
@@ -192,8 +223,8 @@ def test_several_channel_and_pixel_tiles(name):
     c_in = x_shape[-1]
     x = random(2, x_shape)
     k = random(3, (*mask.shape, c_in, c_out), scale=1 / np.sqrt(mask.size * c_in))
-    spec = make_spec(x, k, mask, **kw)
-    y, vjp = jax.vjp(lambda x, k: pallas.masked_conv(x, k, spec, interpret=True, block_sizes=blocks), x, k)
+    conv = lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True, config=blocks, **kw)
+    y, vjp = jax.vjp(conv, x, k)
     reduction = int(mask.sum()) * c_in
     scale = float(jnp.abs(x).max() * jnp.abs(k).max())
     assert_close(y, masked_conv_reference(x, k, mask, **kw), np.float32, reduction, scale)
@@ -220,7 +251,7 @@ def test_unsupported_problems_raise_naming_why_and_none_falls_back_to_xla(x_shap
     x, k = jnp.ones(x_shape), jnp.ones(k_shape)
     mask = np.ones(k_shape[:-2], bool)
     with pytest.raises(NotImplementedError, match=re.escape(expected)):
-        mk.masked_conv(x, k, mask, implementation="pallas", interpret=True, **kw)
+        mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True, **kw)
     spec = make_spec(x, k, mask, **kw)
     assert implementation_for(spec, interpret=True) == "xla"
     assert implementation_for(spec, platform="gpu") == "xla"
@@ -231,13 +262,23 @@ def test_needs_a_gpu_or_interpret_mode():
     spec = make_spec(x, k, mask)
     assert "interpret=True" in pallas.unsupported(spec, "cpu", interpret=False)
     assert pallas.unsupported(spec, "cpu", interpret=True) is None
-    assert pallas.unsupported(spec, "gpu", interpret=False) is None
+    assert pallas.unsupported(spec, "cuda", interpret=False) is None
+    assert "ROCm" in pallas.unsupported(spec, "rocm", interpret=False)
     # implementation=None: Pallas where it runs, xla elsewhere.
     assert implementation_for(spec, platform="cpu") == "xla"
-    assert implementation_for(spec, platform="cpu", interpret=True) == "pallas"
-    if jax.default_backend() == "cpu":
-        with pytest.raises(NotImplementedError, match='platform "cpu"'):
-            mk.masked_conv(x, k, mask, implementation="pallas")
+    assert implementation_for(spec, platform="cuda") == "pallas_triton"
+    assert implementation_for(spec, platform="cpu", interpret=True) == "pallas_triton"
+    # Named, it traces anywhere and refuses only when lowered for a platform it cannot run on.
+    f = jax.jit(lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton"))
+    with pytest.raises(NotImplementedError, match='lowered for platform "cpu".*interpret=True'):
+        f.trace(x, k).lower(lowering_platforms=("cpu",))
+
+
+def test_old_name_pallas_still_works_with_a_deprecation_warning():
+    x, k, mask = random(0, (1, 4, 4, 2)), random(1, (3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
+    with pytest.warns(DeprecationWarning, match='"pallas_triton"'):
+        y = mk.masked_conv(x, k, mask, implementation="pallas", interpret=True)
+    np.testing.assert_array_equal(y, mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True))
 
 
 # --------------------------------------------------------------------------- config
@@ -277,6 +318,8 @@ def test_default_block_sizes_fit_the_problem(c, dtype):
 
 def test_block_sizes_must_be_a_config():
     x, k = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2))
-    spec = make_spec(x, k, np.ones((3, 3)))
     with pytest.raises(TypeError, match="BlockSizes"):
-        pallas.masked_conv(x, k, spec, interpret=True, block_sizes={"block_pixels": 32})
+        mk.masked_conv(x, k, np.ones((3, 3)), implementation="pallas_triton", interpret=True,
+                       config={"block_pixels": 32})
+    with pytest.raises(ValueError, match="implementation="):
+        mk.masked_conv(x, k, np.ones((3, 3)), config=BlockSizes())

@@ -9,6 +9,7 @@ child, or a CI job that sets the flag for the whole run).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -23,9 +24,8 @@ from conftest import assert_close, assert_second_order_close, random, second_ord
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import maskconv_kernels as mk
+from maskconv_kernels import backends, core, spatial
 from maskconv_kernels.reference import masked_conv_reference
-from maskconv_kernels import sharding, xla
-from maskconv_kernels.api import _backend as _api_backend
 from maskconv_kernels.spec import make_spec
 
 N_DEVICES = 8
@@ -57,10 +57,14 @@ BATCH = 16  # 2 examples per device; no other dim of the test arrays is 16.
 M_A = mk.pixelcnn_mask((3, 3), "A")
 
 
+# The "xla" backend as a kernel backend's record would have it: lowered through the
+# batch-partitioning wrapper (custom_partitioning) the kernel backends get.
+_XLA_AS_KERNEL = dataclasses.replace(backends.BACKENDS["xla"], spmd=backends.BATCH)
+
+
 def _through_the_wrapper(x, kernel, mask, **kw):
     """The "xla" backend routed through the kernel-backend wrapper (custom_partitioning)."""
-    spec = make_spec(x, kernel, mask, **kw)
-    return sharding.partitioned_masked_conv("xla-as-kernel", xla, x, kernel, spec, interpret=False)
+    return core.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), backend=_XLA_AS_KERNEL)
 
 
 def _backend(name):
@@ -71,14 +75,14 @@ def _backend(name):
 
 def _runs_on_cpu(name) -> bool:
     spec = make_spec(np.zeros((BATCH, 7, 5, 3), np.float32), np.zeros((3, 3, 3, 4), np.float32), M_A)
-    return _api_backend(name).unsupported(spec, "cpu", True) is None
+    return backends.get(name).unsupported(spec, "cpu", True) is None
 
 
 # Every registered backend that runs on CPUs (interpret mode for kernel backends), plus
 # "xla" through the wrapper the kernel backends get. Interpreters that are host callbacks
-# (Triton's) are not partitioned at all (sharding.HOST_INTERPRETED says why).
+# (Triton's) are not partitioned at all (backends.Backend.host_interpret says why).
 DATA_PARALLEL = [
-    name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name) and name not in sharding.HOST_INTERPRETED
+    name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name) and not backends.get(name).host_interpret
 ] + ["xla-as-kernel"]
 
 
@@ -171,7 +175,7 @@ SPATIAL = {
 
 
 def _spatial(mesh, mask, **kw):
-    return lambda x, k: sharding.spatially_sharded_masked_conv(
+    return lambda x, k: spatial.spatially_sharded_masked_conv(
         x, k, mask, mesh=mesh, axis_name="h", batch_axis="b", implementation="xla", **kw
     )
 
@@ -205,7 +209,7 @@ def test_spatial_halo_is_exact_nan_below_a_border_never_reaches_rows_above():
     # 8 shards of 2 rows; type-B PixelCNN mask: output row r reads rows r-1 and r only.
     mask = mk.pixelcnn_mask((3, 3), "B")
     mesh = _mesh((N_DEVICES,), ("h",), AxisType.Auto)
-    conv = lambda x, k: sharding.spatially_sharded_masked_conv(x, k, mask, mesh=mesh, axis_name="h")
+    conv = lambda x, k: spatial.spatially_sharded_masked_conv(x, k, mask, mesh=mesh, axis_name="h")
     x, k = random(6, (2, 16, 5, 3)), random(7, (3, 3, 3, 4))
     forward = jax.jit(conv)
     clean = np.asarray(forward(x, k))
@@ -243,7 +247,7 @@ def test_spatial_sharding_limits_are_reported():
     k = random(8, (3, 3, 3, 4))
     full = np.ones((3, 3), bool)
     def call(x, axis_name="h", **kw):
-        return sharding.spatially_sharded_masked_conv(x, k, full, mesh=mesh, axis_name=axis_name, **kw)
+        return spatial.spatially_sharded_masked_conv(x, k, full, mesh=mesh, axis_name=axis_name, **kw)
 
     with pytest.raises(ValueError, match="multiple of 8 shards"):
         call(random(9, (1, 12, 4, 3)))
@@ -251,8 +255,24 @@ def test_spatial_sharding_limits_are_reported():
         call(random(9, (1, 16, 4, 3)), padding="VALID")
     with pytest.raises(ValueError, match="use at most 5 shards"):
         # 2 rows per shard, a 7-row window needs 3 from each side.
-        sharding.spatially_sharded_masked_conv(
+        spatial.spatially_sharded_masked_conv(
             random(9, (1, 16, 4, 3)), random(8, (7, 3, 3, 4)), np.ones((7, 3)), mesh=mesh, axis_name="h"
         )
     with pytest.raises(ValueError, match="not an axis"):
         call(random(9, (1, 16, 4, 3)), axis_name="rows")
+
+
+@needs_mesh
+def test_export_for_cuda_works_in_a_process_with_several_devices():
+    """Kernel lowerings are partitioned where devices are known; an export has none to partition over."""
+    from conftest import cuda_lowering
+    from jax import export
+
+    x, k = random(0, (2, 8, 8, 16)), random(1, (3, 3, 16, 16), scale=0.1)
+    f = jax.jit(jax.value_and_grad(lambda x, k: mk.masked_conv(x, k, M_A).sum(), (0, 1)))
+    with cuda_lowering():
+        exported = export.export(
+            f, platforms=("cpu", "cuda"), disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        )(x, k)
+    assert 'name = "maskconv_fwd"' in exported.mlir_module()
+    np.testing.assert_allclose(exported.call(x, k)[0], f(x, k)[0], rtol=1e-5)

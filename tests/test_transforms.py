@@ -1,4 +1,10 @@
-"""masked_conv composes with jit, vmap, grad/vjp and checkpoint."""
+"""masked_conv composes with jit, vmap, grad/vjp, checkpoint and forward mode, on every backend.
+
+Forward-mode transforms (``jvp``, ``jacfwd``, ``hessian``, ``linearize`` and
+``linear_transpose``) are compared with the same transforms of the leaky
+``lax.conv_general_dilated(x, kernel * mask)`` on tiny shapes, cheap enough for the
+interpreters.
+"""
 from __future__ import annotations
 
 import jax
@@ -62,8 +68,7 @@ def test_checkpoint_gives_the_same_gradients(conv):
 
 
 def test_grad_of_grad_matches_the_leaky_baseline(conv):
-    # Reverse over reverse: the backward is itself differentiable (a custom VJP has no
-    # forward mode, so jvp/jacfwd are not supported).
+    # Reverse over reverse: the gradient maps are themselves differentiable.
     x, k = _xk()
     assert_second_order_close(second_order(conv, x, k, M), x, k, M)
 
@@ -80,3 +85,80 @@ def test_jit_cache_one_trace_per_mask():
     f(x, k)
     f(x + 1, k)
     assert len(traces) == 1
+
+
+# --------------------------------------------------------------------------- forward mode
+
+TINY_X, TINY_K = (1, 4, 5, 2), (3, 3, 2, 3)
+
+
+def _tiny():
+    return random(5, TINY_X), random(6, TINY_K, scale=0.5)
+
+
+def _leaky(x, k, mask=M):
+    """The same transforms of lax.conv_general_dilated(x, kernel * mask), at IEEE precision."""
+    return mk.leaky_masked_conv(x, k, mask, precision="highest")
+
+
+def _close(a, b, tol=1e-4):
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(u, np.float64), np.asarray(v, np.float64), rtol=tol, atol=tol)
+
+
+def test_jvp_matches_the_leaky_baseline(conv):
+    x, k = _tiny()
+    tx, tk = random(7, TINY_X), random(8, TINY_K)
+    f = lambda x, k: jnp.sin(conv(x, k, M))
+    g = lambda x, k: jnp.sin(_leaky(x, k))
+    _close(jax.jvp(f, (x, k), (tx, tk)), jax.jvp(g, (x, k), (tx, tk)))
+
+
+def test_jacfwd_and_jacrev_match_the_leaky_baseline(conv):
+    x, k = _tiny()
+    f = lambda x, k: conv(x, k, M)
+    for jac in (jax.jacfwd, jax.jacrev):
+        _close(jax.jit(jac(f, (0, 1)))(x, k), jac(_leaky, (0, 1))(x, k))
+
+
+def test_hessian_matches_the_leaky_baseline(conv):
+    x, k = _tiny()
+    loss = lambda f: (lambda x, k: jnp.sum(jnp.tanh(f(x, k, M)) ** 2))
+    _close(jax.jit(jax.hessian(loss(conv), 1))(x, k), jax.hessian(loss(_leaky), 1)(x, k))
+
+
+def test_linearize_and_its_transpose_match_the_leaky_baseline(conv):
+    x, k = _tiny()
+    tx, tk = random(7, TINY_X), random(8, TINY_K)
+    y, f_lin = jax.linearize(lambda x, k: conv(x, k, M), x, k)
+    y_ref, g_lin = jax.linearize(_leaky, x, k)
+    _close((y, f_lin(tx, tk)), (y_ref, g_lin(tx, tk)))
+    dy = random(9, y.shape)
+    _close(jax.linear_transpose(f_lin, x, k)(dy), jax.linear_transpose(g_lin, x, k)(dy))
+
+
+def test_forward_mode_keeps_the_exactness_contract(conv):
+    """NaN tangents of inputs reachable only through masked taps change no output tangent.
+
+    The type-B 3x3 mask masks the row below the centre, so output rows 0-2 reach input
+    rows 3-4 only through masked taps; masked kernel entries are never read at all.
+    """
+    x, k = _tiny()
+    f = lambda x, k: conv(x, k, M)
+    tx, tk = random(7, TINY_X), random(8, TINY_K)
+    _, clean = jax.jvp(f, (x, k), (tx, tk))
+    poisoned_tx = tx.at[:, 3:].set(jnp.nan)
+    poisoned_tk = jnp.where(M[..., None, None] > 0, tk, jnp.nan)
+    _, out = jax.jvp(f, (x, k), (poisoned_tx, poisoned_tk))
+    np.testing.assert_array_equal(np.asarray(out[:, :3]), np.asarray(clean[:, :3]))
+    _, out = jax.jvp(f, (x, k), (tx, poisoned_tk))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+def test_vmap_of_jvp_over_kernels(conv):
+    x, k = _tiny()
+    ks = jnp.stack([k, -0.5 * k])
+    tks = jnp.stack([k, k])
+    f = lambda k, tk: jax.jvp(lambda k: conv(x, k, M), (k,), (tk,))[1]
+    g = lambda k, tk: jax.jvp(lambda k: _leaky(x, k), (k,), (tk,))[1]
+    _close(jax.vmap(f)(ks, tks), jax.vmap(g)(ks, tks))

@@ -1,18 +1,19 @@
-"""Pallas GPU kernels (Triton lowering) that never read a masked tap.
+"""The ``pallas_triton`` backend: Pallas GPU kernels, lowered through Triton, that never read a masked tap.
 
-* :mod:`.config`: :class:`BlockSizes`, the tile sizes and their heuristic;
+* :mod:`.config`: :class:`BlockSizes`, the tile sizes and their heuristic (the backend's
+  config: ``masked_conv(..., implementation="pallas_triton", config=BlockSizes(...))``);
 * :mod:`.kernels`: the forward, input-gradient and weight-gradient kernels;
-* :mod:`.conv`: :func:`unsupported`, :func:`masked_conv` and the custom VJP wiring.
+* :mod:`.conv`: :func:`unsupported` and the three kernels as the core calls them.
 
 Runs on NVIDIA GPUs, or anywhere with ``interpret=True``. Supports 1-D and 2-D
 convolutions with any padding, strides, dilation, window or channel-partial masks and
 float32 / bfloat16 / float16; 3-D and ``feature_group_count > 1`` are reported by
 :func:`unsupported` (``implementation=None`` then uses ``"xla"``).
 
-jax >= 0.11 deprecates the Pallas Triton backend; its warning is silenced at each
-``pallas_call`` (see ``kernels._pallas_call``) until the official-Triton backend (issue 7).
+jax >= 0.11 deprecates the Pallas Triton lowering; its warning is filtered while the
+core lowers these kernels, and only then (the backend record's ``lowering_warnings``).
 """
 from .config import BlockSizes
-from .conv import masked_conv, unsupported
+from .conv import forward, input_grad, unsupported, weight_grad
 
-__all__ = ["BlockSizes", "masked_conv", "unsupported"]
+__all__ = ["BlockSizes", "unsupported", "forward", "input_grad", "weight_grad"]

@@ -17,12 +17,12 @@ import dataclasses
 
 import numpy as np
 
+from ..hardware import SM_COUNT, TL_DOT_MIN_BLOCK
 from ..spec import ConvSpec
 
 __all__ = ["BlockSizes", "reduce_splits"]
 
-# Triton's tl.dot needs every dimension of a tile to be at least 16.
-_MIN_BLOCK = 16
+_MIN_BLOCK = TL_DOT_MIN_BLOCK
 _MAX_BLOCK = 512
 
 
@@ -89,8 +89,8 @@ class BlockSizes:
         )
 
 
-# Enough programs to fill an H100/H200 (132 SMs) about four times over.
-_TARGET_PROGRAMS = 4 * 132
+# Enough programs to fill an H100/H200 about four times over.
+_TARGET_PROGRAMS = 4 * SM_COUNT
 # Each split of the weight-gradient reduction keeps at least this many pixel blocks,
 # so the partial sums (float32, [splits, taps, C_in, C_out]) stay small next to the work.
 _MIN_BLOCKS_PER_SPLIT = 8

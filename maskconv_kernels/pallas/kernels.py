@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,48 +42,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ..problem import KernelProblem, Piece
 from .config import BlockSizes, reduce_splits
 
-__all__ = ["Geometry", "Piece", "forward", "input_grad", "weight_grad"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One active tap, or one channel group of a channel-partial tap.
-
-    ``in_runs`` / ``out_runs``: the channels the piece reads / writes, as ``(start, stop)``
-    runs (``None``: all channels).
-    """
-
-    tap: tuple[int, int]
-    in_runs: tuple[tuple[int, int], ...] | None = None
-    out_runs: tuple[tuple[int, int], ...] | None = None
+__all__ = ["Geometry", "forward", "input_grad", "weight_grad"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """The static 2-D problem every kernel is specialised on (hashable, for jit caches)."""
+    """The kernel problem and its tiles: everything static a kernel is specialised on (hashable)."""
 
-    in_hw: tuple[int, int]
-    out_hw: tuple[int, int]
-    window: tuple[int, int]
-    strides: tuple[int, int]
-    dilation: tuple[int, int]
-    pad_lo: tuple[int, int]
-    c_in: int
-    c_out: int
-    pieces: tuple[Piece, ...]
-    taps: tuple[tuple[int, int], ...]  # distinct active taps, raster order
-    highest: bool  # IEEE float32 products (precision=HIGHEST) instead of TF32
+    problem: KernelProblem
     blocks: BlockSizes
 
     @property
     def c_in_pad(self) -> int:
-        return _round_up(self.c_in, self.blocks.block_c_in)
+        return _round_up(self.problem.c_in, self.blocks.block_c_in)
 
     @property
     def c_out_pad(self) -> int:
-        return _round_up(self.c_out, self.blocks.block_c_out)
+        return _round_up(self.problem.c_out, self.blocks.block_c_out)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -108,7 +85,7 @@ def _compiler_params(blocks: BlockSizes):
 
 def _dot(a, b, g: Geometry, *, trans_a=False, trans_b=False):
     # DEFAULT precision is TF32 for float32 on NVIDIA GPUs; HIGHEST asks for IEEE products.
-    precision = lax.Precision.HIGHEST if g.highest else None
+    precision = lax.Precision.HIGHEST if g.problem.highest else None
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
@@ -154,9 +131,9 @@ def _tap_input(g: Geometry, oh, ow, th, tw, ok):
     Returns ``(ok, row, col)``: ``ok`` narrowed to pixels inside the image (padding
     reads nothing), the row and column clamped into range for the masked-off rest.
     """
-    (h, w) = g.in_hw
-    ih = oh * g.strides[0] - g.pad_lo[0] + th * g.dilation[0]
-    iw = ow * g.strides[1] - g.pad_lo[1] + tw * g.dilation[1]
+    (h, w) = g.problem.in_hw
+    ih = oh * g.problem.strides[0] - g.problem.pad_lo[0] + th * g.problem.dilation[0]
+    iw = ow * g.problem.strides[1] - g.problem.pad_lo[1] + tw * g.problem.dilation[1]
     return ok & _in_range(ih, h) & _in_range(iw, w), _clamp(ih, h), _clamp(iw, w)
 
 
@@ -172,26 +149,21 @@ def _gather(ref, pixel, chans, mask):
     return plgpu.load(ref.at[(*idx, jnp.broadcast_to(chans[None, :], shape))], mask=mask, other=0.0)
 
 
-def _plain_taps(g: Geometry) -> tuple[tuple[int, int], ...]:
-    """The taps whose pieces cover every channel pair: these share one runtime loop."""
-    return tuple(p.tap for p in g.pieces if p.in_runs is None and p.out_runs is None)
-
-
 def _partial_pieces(g: Geometry) -> tuple[Piece, ...]:
     """Pieces of channel-partial taps: each has its own static code (rare: full-shaped masks)."""
-    return tuple(p for p in g.pieces if p.in_runs is not None or p.out_runs is not None)
+    return tuple(p for p in g.problem.pieces if p.is_partial)
 
 
-def _tap_at(t, taps: tuple[tuple[int, int], ...], kw: int):
+def _tap_at(t, taps: tuple[tuple[int, int], ...], run: int | None, kw: int):
     """``(row, col)`` of the ``t``-th of the static ``taps`` for a traced int32 ``t``.
 
-    Taps in a raster run (PixelCNN, causal and stack masks: flat indices ``f0 .. f0+T-1``)
-    cost a division; any other set, a chain of scalar selects. Either way ``t`` only
-    ever names an active tap, and the kernels close over no array constant.
+    Taps in a raster run (``run``: PixelCNN, causal and stack masks, flat indices
+    ``run .. run+T-1``, found once on the mask) cost a division; any other set, a chain
+    of scalar selects. Either way ``t`` only ever names an active tap, and the kernels
+    close over no array constant.
     """
-    flat = [i * kw + j for i, j in taps]
-    if flat == list(range(flat[0], flat[0] + len(flat))):
-        f = t + flat[0]
+    if run is not None:
+        f = t + run
         return lax.div(f, kw), lax.rem(f, kw)
     th = tw = jnp.int32(0)
     for idx, (i, j) in enumerate(taps):
@@ -200,7 +172,7 @@ def _tap_at(t, taps: tuple[tuple[int, int], ...], kw: int):
     return th, tw
 
 
-def _tap_loop(taps, trips: int, kw: int, step, acc):
+def _tap_loop(taps, run, trips: int, kw: int, step, acc):
     """``acc`` + ``step(th, tw, j)`` over every active tap and reduction block ``j < trips``.
 
     One ``fori_loop`` of ``len(taps) * trips`` iterations, not one loop per tap: Triton
@@ -212,8 +184,8 @@ def _tap_loop(taps, trips: int, kw: int, step, acc):
 
     def body(it, acc):
         if trips == 1:
-            return acc + step(*_tap_at(it, taps, kw), jnp.int32(0))
-        return acc + step(*_tap_at(lax.div(it, trips), taps, kw), lax.rem(it, trips))
+            return acc + step(*_tap_at(it, taps, run, kw), jnp.int32(0))
+        return acc + step(*_tap_at(lax.div(it, trips), taps, run, kw), lax.rem(it, trips))
 
     if len(taps) * trips == 1:
         return body(jnp.int32(0), acc)
@@ -226,7 +198,7 @@ def _sum_over_pieces(g: Geometry, trips: int, step, shape):
     Taps active for all channel pairs share one loop (:func:`_tap_loop`); each piece of a
     channel-partial tap gets static code of its own, so its masked entries have none.
     """
-    acc = _tap_loop(_plain_taps(g), trips, g.window[1], step, jnp.zeros(shape, jnp.float32))
+    acc = _tap_loop(g.problem.plain_taps, g.problem.plain_tap_run, trips, g.problem.window[1], step, jnp.zeros(shape, jnp.float32))
     for piece in _partial_pieces(g):
         acc = _loop(trips, lambda j, acc, piece=piece: acc + step(*piece.tap, j, piece), acc)
     return acc
@@ -267,7 +239,7 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
     """
     b = g.blocks
     bp, bci, bco = b.block_pixels, b.block_c_in, b.block_c_out
-    oh_size, ow_size = g.out_hw
+    oh_size, ow_size = g.problem.out_hw
     n = pl.program_id(0)
     p = pl.program_id(1) * bp + jnp.arange(bp, dtype=jnp.int32)
     co0 = pl.program_id(2) * bco
@@ -281,7 +253,7 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
         ok, rows, cols = _tap_input(g, oh, ow, th, tw, p_ok)
         ci0 = j * bci
         ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
-        ci_ok = ci < g.c_in
+        ci_ok = ci < g.problem.c_in
         if piece is not None and piece.in_runs is not None:
             ci_ok &= _member(ci, piece.in_runs)
         xb = _gather(x_ref, (n, rows, cols), ci, ok[:, None] & ci_ok[None, :])
@@ -298,7 +270,7 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
 
 def forward(x, k_pad, g: Geometry, out_dtype, interpret: bool):
     """``y: [N, OH, OW, C_out]`` from ``x: [N, H, W, C_in]``, accumulated in float32."""
-    return _pixel_tiled(_forward_kernel, "maskconv_fwd", x, k_pad, g, g.out_hw, g.c_out, g.blocks.block_c_out,
+    return _pixel_tiled(_forward_kernel, "maskconv_fwd", x, k_pad, g, g.problem.out_hw, g.problem.c_out, g.blocks.block_c_out,
                         out_dtype, interpret)
 
 
@@ -318,7 +290,7 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
     """
     b = g.blocks
     bp, bci, bco = b.block_pixels, b.block_c_in, b.block_c_out
-    (h, w), (oh_size, ow_size) = g.in_hw, g.out_hw
+    (h, w), (oh_size, ow_size) = g.problem.in_hw, g.problem.out_hw
     n = pl.program_id(0)
     i = pl.program_id(1) * bp + jnp.arange(bp, dtype=jnp.int32)
     ci0 = pl.program_id(2) * bci
@@ -332,7 +304,7 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
         ok = i_ok
         out_idx = []
         for pos, lo, t, d, s, size in zip(
-            (ih, iw), g.pad_lo, (th, tw), g.dilation, g.strides, (oh_size, ow_size)
+            (ih, iw), g.problem.pad_lo, (th, tw), g.problem.dilation, g.problem.strides, (oh_size, ow_size)
         ):
             num = pos + lo - t * d
             ok &= num >= 0
@@ -344,7 +316,7 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
             out_idx.append(_clamp(num, size))
         co0 = j * bco
         co = co0 + jnp.arange(bco, dtype=jnp.int32)
-        co_ok = co < g.c_out
+        co_ok = co < g.problem.c_out
         if piece is not None and piece.out_runs is not None:
             co_ok &= _member(co, piece.out_runs)
         dyb = _gather(dy_ref, (n, *out_idx), co, ok[:, None] & co_ok[None, :])
@@ -361,7 +333,7 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
 
 def input_grad(dy, k_pad, g: Geometry, dx_dtype, interpret: bool):
     """``dx: [N, H, W, C_in]`` from ``dy: [N, OH, OW, C_out]``."""
-    return _pixel_tiled(_input_grad_kernel, "maskconv_bwd_input", dy, k_pad, g, g.in_hw, g.c_in, g.blocks.block_c_in,
+    return _pixel_tiled(_input_grad_kernel, "maskconv_bwd_input", dy, k_pad, g, g.problem.in_hw, g.problem.c_in, g.blocks.block_c_in,
                         dx_dtype, interpret)
 
 
@@ -382,12 +354,12 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
     """
     b = g.blocks
     bq, bci, bco = b.block_pixels_reduce, b.block_c_in, b.block_c_out
-    oh_size, ow_size = g.out_hw
+    oh_size, ow_size = g.problem.out_hw
     split, t = pl.program_id(0), pl.program_id(1)
-    th, tw = _tap_at(t, g.taps, g.window[1])
+    th, tw = _tap_at(t, g.problem.taps, g.problem.tap_run, g.problem.window[1])
     ci = pl.program_id(2) * bci + jnp.arange(bci, dtype=jnp.int32)
     co = pl.program_id(3) * bco + jnp.arange(bco, dtype=jnp.int32)
-    ci_ok, co_ok = ci < g.c_in, co < g.c_out
+    ci_ok, co_ok = ci < g.problem.c_in, co < g.problem.c_out
     pixels = oh_size * ow_size
 
     def body(j, acc):
@@ -404,7 +376,7 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
     acc = _loop(trips, body, jnp.zeros((bci, bco), jnp.float32))
     # Channel-partial taps: keep each piece's (input set x output set) entries only.
     partial: dict[tuple[int, int], list[Piece]] = {}
-    for piece in g.pieces:
+    for piece in g.problem.pieces:
         if piece.in_runs is not None or piece.out_runs is not None:
             partial.setdefault(piece.tap, []).append(piece)
     for tap, pieces in partial.items():
@@ -416,57 +388,43 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
             if piece.out_runs is not None:
                 k &= _member(co, piece.out_runs)[None, :]
             keep = k if keep is None else keep | k
-        acc = jnp.where((t != g.taps.index(tap)) | keep, acc, 0.0)
+        acc = jnp.where((t != g.problem.taps.index(tap)) | keep, acc, 0.0)
     dk_ref[...] = acc.astype(dk_ref.dtype)
 
 
 def weight_grad(x, dy, g: Geometry, dk_dtype, interpret: bool):
-    """``dk: [T, C_in, C_out]`` for the active taps ``g.taps`` only."""
+    """``[splits, T, C_in, C_out]``: partial sums of ``dk`` for the active taps ``g.problem.taps`` only.
+
+    The core adds the splits in a fixed order (deterministic, unlike atomics).
+    """
     b = g.blocks
     batch = x.shape[0]
     tiles = (g.c_in_pad // b.block_c_in, g.c_out_pad // b.block_c_out)
-    reduce_blocks = _cdiv(batch * g.out_hw[0] * g.out_hw[1], b.block_pixels_reduce)
-    splits = reduce_splits(len(g.taps) * tiles[0] * tiles[1], reduce_blocks)
+    reduce_blocks = _cdiv(batch * g.problem.out_hw[0] * g.problem.out_hw[1], b.block_pixels_reduce)
+    splits = reduce_splits(len(g.problem.taps) * tiles[0] * tiles[1], reduce_blocks)
     trips = _cdiv(reduce_blocks, splits)
     # One split: the kernel writes dk in its dtype. Several: float32 partial sums.
     part_dtype = dk_dtype if splits == 1 else jnp.float32
     dk = _pallas_call(
         functools.partial(_weight_grad_kernel, g=g, batch=batch, trips=trips),
         name="maskconv_bwd_weight",
-        grid=(splits, len(g.taps), *tiles),
+        grid=(splits, len(g.problem.taps), *tiles),
         in_specs=[_full_block(x.shape), _full_block(dy.shape)],
         out_specs=pl.BlockSpec(
             (pl.Squeezed(), pl.Squeezed(), b.block_c_in, b.block_c_out), lambda s, t, i, j: (s, t, i, j)
         ),
-        out_shape=jax.ShapeDtypeStruct((splits, len(g.taps), g.c_in_pad, g.c_out_pad), part_dtype),
+        out_shape=jax.ShapeDtypeStruct((splits, len(g.problem.taps), g.c_in_pad, g.c_out_pad), part_dtype),
         blocks=b,
         interpret=interpret,
     )(x, dy)
-    total = dk[0]
-    for s in range(1, splits):  # elementwise adds in a fixed order: deterministic, unlike atomics
-        total = total + dk[s]
-    return total.astype(dk_dtype)[:, : g.c_in, : g.c_out]
+    return dk[:, :, : g.problem.c_in, : g.problem.c_out]
 
 
 # --------------------------------------------------------------------------- pallas_call
 
 
 def _pallas_call(kernel, *, name, blocks, interpret, **kwargs):
-    call = pl.pallas_call(
-        kernel, name=name, compiler_params=_compiler_params(blocks), interpret=interpret, **kwargs
-    )
-
-    def run(*args):
-        # jax >= 0.11 deprecates the Pallas Triton backend ("jax-pallas-triton") in favour of
-        # Mosaic GPU or the official Triton bindings; the official-Triton backend of this
-        # package is issue 7. Until then this is the backend we mean to use, so the warning
-        # is silenced here, for these calls only. It is raised when a call is lowered: this
-        # covers eager calls; under an enclosing jit it is raised when that jit is lowered
-        # and is attributed to jax's own module, where Python's default filters hide it.
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
-            )
-            return call(*args)
-
-    return run
+    # jax >= 0.11 deprecates the Pallas Triton backend ("jax-pallas-triton") when a call is
+    # lowered; the core filters that warning while it lowers this backend's kernels only
+    # (the backend record's lowering_warnings).
+    return pl.pallas_call(kernel, name=name, compiler_params=_compiler_params(blocks), interpret=interpret, **kwargs)

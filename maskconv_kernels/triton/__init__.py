@@ -3,10 +3,12 @@
 From jax 0.11 the Pallas Triton lowering is deprecated and names official Triton with
 jax-triton as the way to keep using Triton; this backend is that path. Same structure
 and contract as the Pallas backend: implicit GEMMs whose tap loop runs over active taps
-only, float32 accumulation, a deterministic weight gradient, all behind one custom VJP.
+only, float32 accumulation, a deterministic weight gradient; differentiation, batching
+and dispatch are the shared core's (:mod:`maskconv_kernels.core`).
 
 Modules: :mod:`.kernels` (the ``triton.jit`` kernels), :mod:`.config` (block sizes,
-heuristic, autotune list), :mod:`.ops` (jax-triton launches, autotune, custom VJP).
+heuristic, autotune list, the public :class:`Configs`), :mod:`.ops` (jax-triton
+launches, autotune).
 Importing this package imports neither ``triton`` nor ``jax_triton``: they are needed
 (``pip install maskconv-kernels[triton]``) only to run or compile the kernels.
 Selected explicitly with ``implementation="triton"``; with ``interpret=True`` the same
@@ -15,14 +17,16 @@ checks them without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 
-import jax
 import numpy as np
 
 from ..spec import ConvSpec
+from .config import Configs
 
-__all__ = ["masked_conv", "unsupported"]
+__all__ = ["Configs", "unsupported", "forward", "input_grad", "weight_grad"]
 
 
 def _missing_dependency(interpret: bool) -> str | None:
@@ -36,8 +40,12 @@ def _missing_dependency(interpret: bool) -> str | None:
     return None
 
 
-def unsupported(spec: ConvSpec, platform: str, interpret: bool = False) -> str | None:
-    """Why the Triton kernels cannot run ``spec`` on ``platform`` (``None`` when they can)."""
+def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
+    """Why the Triton kernels cannot run ``spec`` lowered for ``platform`` (``None`` when they can).
+
+    ``platform``: a lowering platform (``"cuda"``; jax's ``"gpu"`` is taken as cuda), or
+    ``None`` to ask about the problem alone.
+    """
     if spec.ndim not in (1, 2):
         return f"{spec.ndim}-D convolutions (the Triton kernels cover 1-D and 2-D; use implementation='xla')"
     if spec.groups != 1:
@@ -50,28 +58,55 @@ def unsupported(spec: ConvSpec, platform: str, interpret: bool = False) -> str |
         )
     if np.dtype(spec.acc_dtype) != np.float32:
         return f"{spec.acc_dtype} accumulation (float64 inputs); the Triton kernels take float32, bfloat16 or float16"
-    if not interpret and platform not in ("gpu", "cuda"):
+    if not interpret and platform is not None and platform not in ("gpu", "cuda"):
         return (
             f"platform {platform!r} (the Triton kernels run on NVIDIA GPUs only; interpret=True runs them "
             "in Triton's interpreter on any host, slowly)"
         )
-    return _missing_dependency(interpret)
+    missing = _missing_dependency(interpret)
+    if missing is None and not interpret and platform is not None:
+        return _jax_triton_import_error()
+    return missing
 
 
-def masked_conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, *, interpret: bool = False) -> jax.Array:
-    """Exact masked convolution through the Triton kernels.
+@functools.lru_cache(maxsize=None)
+def _jax_triton_import_error() -> str | None:
+    """Lowering for cuda imports jax-triton, which needs a jaxlib with CUDA support on the host doing the lowering."""
+    saved = dict(os.environ)
+    try:
+        from jax_triton import triton_lib
+    except ImportError as e:
+        # A failed import can leave its settings behind (jax-triton 0.3.1 empties
+        # TRITON_CACHE_DIR first, which then breaks triton.compile in this process).
+        os.environ.clear()
+        os.environ.update(saved)
+        cause = str(e).split(". ")[0]
+    else:
+        if hasattr(getattr(triton_lib, "triton_kernel_call_lib", None), "TritonKernel"):
+            return None
+        cause = "jaxlib here has no GPU Triton support"
+    return (
+        f"jax-triton cannot lower on this host ({cause}): lower for cuda where jax has CUDA support, "
+        "or use implementation='pallas_triton', which lowers for cuda on any host"
+    )
 
-    Args:
-      x: ``[N, *spatial, C_in]``, 1 or 2 spatial dims; float32, bfloat16 or float16.
-      kernel: ``[*window, C_in, C_out]``, same dtype as ``x``.
-      spec: the validated problem; :func:`unsupported` must have accepted it.
-      interpret: run the same kernels in Triton's interpreter on the host (any platform,
-        slow; needs ``triton`` but not jax-triton): what CI tests on CPU.
 
-    Returns:
-      ``[N, *out_spatial, C_out]`` in ``spec.out_dtype``, accumulated in float32;
-      differentiable in ``x`` and ``kernel`` through the Triton gradient kernels.
-    """
-    from . import ops  # imports triton; jax_triton is imported at the first compiled launch
+# The three kernels, as the core (maskconv_kernels.core) calls them; ops imports triton.
 
-    return ops.conv(x, kernel, spec, interpret)
+
+def forward(x, w, job, out_dtype):
+    from . import ops
+
+    return ops.forward(x, w, job, out_dtype)
+
+
+def input_grad(dy, w, job, out_dtype):
+    from . import ops
+
+    return ops.input_grad(dy, w, job, out_dtype)
+
+
+def weight_grad(x, dy, job, out_dtype):
+    from . import ops
+
+    return ops.weight_grad(x, dy, job, out_dtype)

@@ -3,19 +3,21 @@
 ``heuristic`` picks a config from the problem's shape and dtype alone (what runs when
 nothing may be timed, e.g. on CPU or with ``MASKCONV_TRITON_AUTOTUNE=0``).
 ``candidates`` is the list ``ops`` times on the GPU at the first launch of a problem
-key; the winner is cached per process in ``_TUNED`` (``tuned()`` shows it).
+key; the winner is cached per process (``ops.tuned()`` shows it). :class:`Configs`
+(one ``Config`` per kernel) is the backend's public config.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 
-__all__ = ["Config", "heuristic", "candidates", "autotune_enabled", "tuned", "KINDS"]
+from ..hardware import SM_COUNT, TL_DOT_MIN_BLOCK
+
+__all__ = ["Config", "Configs", "heuristic", "candidates", "autotune_enabled", "KINDS"]
 
 KINDS = ("fwd", "dx", "dw")
 
-# tl.dot needs every block dimension >= 16.
-_MIN_BLOCK = 16
+_MIN_BLOCK = TL_DOT_MIN_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,13 +48,33 @@ class Config:
             raise ValueError(f"num_stages and split must be positive, got {self.num_stages} and {self.split}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Configs:
+    """The ``triton`` backend's config: one :class:`Config` per kernel, or ``None`` for the default.
+
+    ``masked_conv(..., implementation="triton", config=Configs(fwd=Config(64, 128, 32)))``
+    launches the forward with those tiles; a kernel left ``None`` is autotuned at its first
+    launch on a GPU (the heuristic's pick elsewhere, or with ``MASKCONV_TRITON_AUTOTUNE=0``).
+    """
+
+    fwd: Config | None = None
+    dx: Config | None = None
+    dw: Config | None = None
+
+    def __post_init__(self):
+        for kind in KINDS:
+            value = getattr(self, kind)
+            if value is not None and not isinstance(value, Config):
+                raise TypeError(f"Configs.{kind} must be a Config or None, got {type(value).__name__}")
+
+
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:
     p = 1 << max(int(n) - 1, 0).bit_length()
     return max(lo, min(hi, p))
 
 
-# H200: 132 SMs; aim for about two waves of programs before splitting a reduction.
-_TARGET_PROGRAMS = 264
+# Aim for about two waves of programs on an H100/H200 before splitting a reduction.
+_TARGET_PROGRAMS = 2 * SM_COUNT
 
 
 def _split(tiles: int, pixels: int, block_k: int) -> int:
@@ -84,7 +106,7 @@ def heuristic(kind: str, m: int, n: int, k: int, itemsize: int, taps: int = 1) -
         return Config(bm, bn, bk, num_warps=4, num_stages=3, split=_split(tiles, k, bk))
     bn = _pow2_clamp(n, _MIN_BLOCK, 128)
     bk = _pow2_clamp(k, _MIN_BLOCK, wide)
-    bm = 128 if m >= 128 * 132 else 64
+    bm = 128 if m >= 128 * SM_COUNT else 64
     warps = 8 if bm * bn >= 128 * 128 else 4
     return Config(bm, bn, bk, num_warps=warps, num_stages=3)
 
@@ -116,12 +138,3 @@ def candidates(kind: str, m: int, n: int, k: int, itemsize: int, taps: int = 1) 
 def autotune_enabled() -> bool:
     """Timing configs at first launch is on unless ``MASKCONV_TRITON_AUTOTUNE=0``."""
     return os.environ.get("MASKCONV_TRITON_AUTOTUNE", "1") != "0"
-
-
-# (kind, problem key, dtype name) -> Config, filled at the first launch of each key.
-_TUNED: dict[tuple, Config] = {}
-
-
-def tuned() -> dict[tuple, Config]:
-    """A copy of this process's autotune cache."""
-    return dict(_TUNED)

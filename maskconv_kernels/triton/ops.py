@@ -1,4 +1,4 @@
-"""Launching the Triton kernels from JAX: the problem, jax-triton calls, autotune, custom VJP.
+"""Launching the Triton kernels from JAX: the launch problem, jax-triton calls, autotune.
 
 Imports ``triton`` (through :mod:`.kernels`) at module import and ``jax_triton`` at the
 first compiled launch (interpreted launches, :mod:`.interpret`, need only ``triton``); :mod:`maskconv_kernels.triton` imports this module only when it runs or
@@ -15,14 +15,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from ..hardware import COMPUTE_CAPABILITY
+from ..problem import KernelProblem, kernel_problem
 from ..spec import ConvSpec
 from . import config as _config
-from .config import Config
+from .config import Config, Configs
 from .kernels import conv_dw_kernel, conv_dx_kernel, conv_fwd_kernel
 
-__all__ = ["Problem", "problem", "conv", "kernel_args", "timings", "KERNELS"]
+__all__ = ["Problem", "problem", "kernel_args", "timings", "tuned", "forward", "input_grad", "weight_grad", "KERNELS"]
 
 KERNELS = {"fwd": conv_fwd_kernel, "dx": conv_dx_kernel, "dw": conv_dw_kernel}
 
@@ -31,42 +32,40 @@ _TRITON_TYPES = {np.dtype("float32"): "fp32", np.dtype(jnp.bfloat16): "bf16", np
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One masked convolution as the kernels see it: 2-D, channels-last, ungrouped.
+    """One launch problem: the shared 2-D kernel problem with its batch, dtypes and dot precision.
 
-    A 1-D problem is the 2-D one with ``h = kh = 1``. ``taps`` holds the active taps
-    only, as ``(kh, kw, kh * KW + kw)``; masked taps appear nowhere below this point.
+    ``kernel`` (:class:`~maskconv_kernels.problem.KernelProblem`) names the active taps
+    only; masked taps appear nowhere below this point.
     """
 
+    kernel: KernelProblem
     n: int
-    h: int
-    w: int
-    c_in: int
-    oh: int
-    ow: int
-    c_out: int
-    strides: tuple[int, int]
-    dilation: tuple[int, int]
-    pad_lo: tuple[int, int]
-    window: tuple[int, int]
-    taps: tuple[tuple[int, int, int], ...]
     precision: str  # tl.dot input_precision
     dtype: str  # x and kernel
     out_dtype: str
     interpret: bool = False  # run in Triton's interpreter on the host (see .interpret)
 
-    def constexprs(self) -> dict:
-        return dict(
-            N=self.n, H=self.h, W=self.w, C_IN=self.c_in, OH=self.oh, OW=self.ow, C_OUT=self.c_out,
-            SH=self.strides[0], SW=self.strides[1], DH=self.dilation[0], DW=self.dilation[1],
-            PH=self.pad_lo[0], PW=self.pad_lo[1], TAPS=self.taps, TAP_RUN=self.tap_run, KW=self.window[1],
-            PRECISION=self.precision,
-        )
+    h = property(lambda self: self.kernel.in_hw[0])
+    w = property(lambda self: self.kernel.in_hw[1])
+    oh = property(lambda self: self.kernel.out_hw[0])
+    ow = property(lambda self: self.kernel.out_hw[1])
+    c_in = property(lambda self: self.kernel.c_in)
+    c_out = property(lambda self: self.kernel.c_out)
+    window = property(lambda self: self.kernel.window)
 
     @property
-    def tap_run(self) -> int:
-        """The first flat tap when the active taps are one raster run (computed, not searched), else -1."""
-        flat = [f for _, _, f in self.taps]
-        return flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) else -1
+    def taps(self) -> tuple[tuple[int, int, int], ...]:
+        """The active taps as the kernels take them: ``(kh, kw, kh * KW + kw)``."""
+        return tuple((i, j, f) for (i, j), f in zip(self.kernel.taps, self.kernel.flat_taps))
+
+    def constexprs(self) -> dict:
+        k = self.kernel
+        return dict(
+            N=self.n, H=self.h, W=self.w, C_IN=k.c_in, OH=self.oh, OW=self.ow, C_OUT=k.c_out,
+            SH=k.strides[0], SW=k.strides[1], DH=k.dilation[0], DW=k.dilation[1],
+            PH=k.pad_lo[0], PW=k.pad_lo[1], TAPS=self.taps, TAP_RUN=-1 if k.tap_run is None else k.tap_run,
+            KW=k.window[1], PRECISION=self.precision,
+        )
 
     def gemm(self, kind: str) -> tuple[int, int, int]:
         """(m, n, k) of the kernel ``kind``, as :func:`config.heuristic` takes them."""
@@ -77,36 +76,22 @@ class Problem:
         return self.c_in, self.c_out, self.n * self.oh * self.ow
 
 
-def _input_precision(precision, dtype: np.dtype) -> str:
+def _input_precision(p: KernelProblem, dtype: np.dtype) -> str:
     """``lax.Precision`` -> ``tl.dot`` input precision: HIGHEST is IEEE, HIGH 3xTF32, else TF32."""
     if dtype != np.float32:
         return "ieee"  # 16-bit products are exact in the float32 accumulator
-    ps = precision if isinstance(precision, tuple) else (precision,)
-    ps = tuple(lax.Precision(p) if isinstance(p, str) else p for p in ps)
-    if lax.Precision.HIGHEST in ps:
+    if p.highest:
         return "ieee"
-    if lax.Precision.HIGH in ps:
+    if p.high:
         return "tf32x3"
     return "tf32"
 
 
 def problem(spec: ConvSpec, batch: int, dtype, interpret: bool = False) -> Problem:
     """The kernels' view of ``spec`` for a batch of ``batch`` inputs of ``dtype``."""
-    dtype = np.dtype(dtype)
-    if spec.ndim == 1:  # a 1-D problem is a 2-D one with one row: H = KH = 1, tap row 0, no row padding
-        ones = lambda t: (1, *t)
-        zeros = lambda t: (0, *t)
-    else:
-        ones = zeros = tuple
-    window = ones(spec.window)
-    taps = tuple((kh, kw, kh * window[1] + kw) for kh, kw in map(zeros, spec.mask.active_taps))
-    (h, w), (oh, ow) = ones(spec.in_spatial), ones(spec.out_spatial)
+    dtype, kp = np.dtype(dtype), kernel_problem(spec)
     return Problem(
-        n=int(batch), h=h, w=w, c_in=spec.c_in, oh=oh, ow=ow, c_out=spec.c_out,
-        strides=ones(spec.strides), dilation=ones(spec.dilation),
-        pad_lo=zeros(tuple(lo for lo, _ in spec.padding)),
-        window=window, taps=taps,
-        precision=_input_precision(spec.precision, dtype),
+        kernel=kp, n=int(batch), precision=_input_precision(kp, dtype),
         dtype=dtype.name, out_dtype=np.dtype(spec.out_dtype).name, interpret=interpret,
     )
 
@@ -203,14 +188,25 @@ def _launch(kind: str, p: Problem, c: Config, *arrays):
         return interpret.launch(a, *arrays)
     import jax_triton
 
+    # Lowered for cuda on a host without a GPU (an export), there is no device to ask.
+    capability = None if _has_gpu() else COMPUTE_CAPABILITY
     return jax_triton.triton_call(
         *arrays,
         kernel=a["kernel"],
         grid=a["grid"],
         name=f"maskconv_triton_{kind}",
+        compute_capability=capability,
         **_call_keywords(a["out"], a["options"]),
         **a["constexprs"],
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def _operands(kind: str, p: Problem):
@@ -221,18 +217,30 @@ def _operands(kind: str, p: Problem):
     return {"fwd": (x, w), "dx": (y, w), "dw": (x, y)}[kind]
 
 
-def _select(kind: str, p: Problem) -> Config:
-    """The config of ``kind`` for ``p``: tuned once per process and problem, else the heuristic."""
+def _select(kind: str, p: Problem, chosen: Configs | None = None) -> Config:
+    """The config of ``kind`` for ``p``: the caller's, else tuned once per process and problem, else the heuristic."""
+    given = getattr(chosen, kind) if chosen is not None else None
+    if given is not None:
+        return given
     key = (kind, p)
-    if key in _config._TUNED:
-        return _config._TUNED[key]
+    if key in _TUNED:
+        return _TUNED[key]
     m, n, k = p.gemm(kind)
     itemsize = np.dtype(p.dtype).itemsize
     configs = _config.candidates(kind, m, n, k, itemsize, len(p.taps))
-    timed = _config.autotune_enabled() and len(configs) > 1 and not p.interpret
+    timed = _config.autotune_enabled() and len(configs) > 1 and not p.interpret and _has_gpu()
     best = _time(kind, p, configs) if timed else configs[0]
-    _config._TUNED[key] = best
+    _TUNED[key] = best
     return best
+
+
+# (kind, problem) -> Config, filled at the first launch of each problem.
+_TUNED: dict[tuple, Config] = {}
+
+
+def tuned() -> dict[tuple, Config]:
+    """A copy of this process's autotune cache: ``(kind, Problem) -> Config``."""
+    return dict(_TUNED)
 
 
 def _time(kind: str, p: Problem, configs: list[Config], samples: int = 3, calls: int = 5) -> Config:
@@ -281,106 +289,30 @@ def timings() -> dict[tuple, dict[Config, float]]:
     return {key: dict(t) for key, t in _TIMINGS.items()}
 
 
-def _forward(x, w, p: Problem):
-    return _launch("fwd", p, _select("fwd", p), x, w)
+# The three kernels the core (maskconv_kernels.core) lowers, on the 2-D problem. Operands
+# take the dtypes the launch declares: x and kernel in the primal dtype, y / dy in the
+# output dtype.
 
 
-def _input_grad(dy, w, p: Problem):
-    return _launch("dx", p, _select("dx", p), dy, w)
+def _launch_problem(job, batch: int) -> Problem:
+    return problem(job.spec, batch, job.dtype, job.interpret)
 
 
-def _weight_grad(x, dy, p: Problem):
-    parts = _launch("dw", p, _select("dw", p), x, dy)
-    # Splits are added in a fixed order (elementwise adds, no reduction kernel whose
-    # order could vary), so the weight gradient has the same bits run to run.
-    total = parts[0]
-    for i in range(1, parts.shape[0]):
-        total = total + parts[i]
-    # Masked taps were never computed: they are exact zeros.
-    zeros = jnp.zeros((p.c_in, p.c_out), jnp.float32)
-    by_tap = {flat: j for j, (_, _, flat) in enumerate(p.taps)}
-    full = jnp.stack([total[by_tap[t]] if t in by_tap else zeros for t in range(p.window[0] * p.window[1])])
-    return full.reshape(*p.window, p.c_in, p.c_out).astype(p.dtype)
+def forward(x, w, job, out_dtype):
+    p = _launch_problem(job, x.shape[0])
+    x, w = x.astype(p.dtype), w.astype(p.dtype)
+    return _launch("fwd", p, _select("fwd", p, job.config), x, w).astype(out_dtype)
 
 
-# The forward, the input gradient and the weight gradient are three linear maps, each
-# under its own custom VJP built from the other two (as in the Pallas backend), so
-# gradients of gradients run the same kernels; a kernel launch itself has no derivative,
-# so the forward rules call the custom-VJP functions too, never a bare launch.
-#   y  = _conv(x, w):     dx = _conv_dx(dy, w),    dw = _conv_dw(x, dy)
-#   dx = _conv_dx(dy, w): d dy = _conv(ddx, w),    dw = _conv_dw(ddx, dy)
-#   dw = _conv_dw(x, dy): dx = _conv_dx(dy, ddw),  d dy = _conv(x, ddw)
+def input_grad(dy, w, job, out_dtype):
+    p = _launch_problem(job, dy.shape[0])
+    dy, w = dy.astype(p.out_dtype), w.astype(p.dtype)
+    return _launch("dx", p, _select("dx", p, job.config), dy, w).astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv(x, w, p: Problem):
-    return _forward(x, w, p)
-
-
-def _conv_fwd(x, w, p: Problem):
-    return _conv(x, w, p), (x, w)
-
-
-def _conv_bwd(p: Problem, residuals, dy):
-    x, w = residuals
-    return _conv_dx(dy, w, p), _conv_dw(x, dy, p)
-
-
-_conv.defvjp(_conv_fwd, _conv_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv_dx(dy, w, p: Problem):
-    return _input_grad(dy, w, p)
-
-
-def _conv_dx_fwd(dy, w, p: Problem):
-    return _conv_dx(dy, w, p), (dy, w)
-
-
-def _conv_dx_bwd(p: Problem, residuals, ddx):
-    dy, w = residuals
-    return _conv(ddx, w, p), _conv_dw(ddx, dy, p)
-
-
-_conv_dx.defvjp(_conv_dx_fwd, _conv_dx_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _conv_dw(x, dy, p: Problem):
-    return _weight_grad(x, dy, p)
-
-
-def _conv_dw_fwd(x, dy, p: Problem):
-    return _conv_dw(x, dy, p), (x, dy)
-
-
-def _conv_dw_bwd(p: Problem, residuals, ddw):
-    x, dy = residuals
-    # The weight gradient only has active taps; its transpose reads only those of ddw.
-    return _conv_dx(dy, ddw, p), _conv(x, ddw, p)
-
-
-_conv_dw.defvjp(_conv_dw_fwd, _conv_dw_bwd)
-
-
-def conv(x: jax.Array, kernel: jax.Array, spec: ConvSpec, interpret: bool = False) -> jax.Array:
-    """Masked convolution through the Triton kernels (forward and both gradients).
-
-    Args:
-      x: ``[N, *spatial, C_in]`` with 1 or 2 spatial dims; float32, bfloat16 or float16.
-      kernel: ``[*window, C_in, C_out]``, same dtype as ``x``.
-      spec: a problem :func:`maskconv_kernels.triton.unsupported` accepts.
-      interpret: run the kernels in Triton's interpreter on the host (tests; slow).
-
-    Returns:
-      ``[N, *out_spatial, C_out]`` in ``spec.out_dtype``, accumulated in float32.
-    """
-    p = problem(spec, x.shape[0], x.dtype, interpret)
-    out_shape = (x.shape[0], *spec.out_spatial, spec.c_out)
-    if 0 in x.shape or 0 in kernel.shape or not p.taps:
-        # Every output is an empty sum: exact zeros, and zero gradients, with nothing read.
-        return jnp.zeros(out_shape, spec.out_dtype)
-    x4 = x.reshape(p.n, p.h, p.w, p.c_in)
-    w4 = kernel.reshape(*p.window, p.c_in, p.c_out)
-    return _conv(x4, w4, p).reshape(out_shape)
+def weight_grad(x, dy, job, out_dtype):
+    """``[splits, T, C_in, C_out]`` float32 partial sums for the active taps only."""
+    del out_dtype  # the core casts after adding the splits
+    p = _launch_problem(job, x.shape[0])
+    x, dy = x.astype(p.dtype), dy.astype(p.out_dtype)
+    return _launch("dw", p, _select("dw", p, job.config), x, dy)

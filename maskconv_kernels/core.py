@@ -1,0 +1,368 @@
+"""The linear-map core, written once for every backend: three JAX primitives.
+
+A masked convolution is bilinear in ``(x, kernel)``, and so are its two gradients. Each
+is a primitive, built as ``lax.conv_general_dilated`` is:
+
+* ``masked_conv``:             ``y  = conv(x, k)``
+* ``masked_conv_input_grad``:  ``dx = conv_dx(dy, k)``  (the transpose of ``conv`` in ``x``)
+* ``masked_conv_weight_grad``: ``dk = conv_dk(x, dy)``  (the transpose of ``conv`` in ``k``)
+
+with, for each, a JVP (bilinear: ``p(x, k; tx, tk) = p(tx, k) + p(x, tk)``), transpose
+rules in terms of the other two,
+
+* ``conv``:    ``x <- conv_dx(ct, k)``,  ``k <- conv_dk(x, ct)``
+* ``conv_dx``: ``dy <- conv(ct, k)``,    ``k <- conv_dk(ct, dy)``
+* ``conv_dk``: ``x <- conv_dx(dy, ct)``, ``dy <- conv(x, ct)``
+
+and batching rules, so ``grad``, ``jvp``, ``jacfwd``, ``jacrev``, ``hessian``,
+``linearize`` + ``linear_transpose``, ``vmap`` and ``checkpoint`` compose to any order,
+and every derivative runs the same exact kernels (a kernel launch is never
+differentiated). Forward mode keeps the exactness contract: each term of a JVP is one of
+these maps, which never read a masked tap, so a tangent (even NaN) of an input reachable
+only through masked taps changes no output tangent.
+
+The backend is chosen when a primitive is **lowered**, per platform: with
+``implementation=None`` the lowering for each platform takes the first backend of
+:data:`~maskconv_kernels.backends.PREFERENCE` that supports the problem there, so one
+``jax.export(..., platforms=("cpu", "cuda"))`` holds the ``xla`` path for CPU and the GPU
+kernels for cuda; a named backend lowers for any platform it can run on and raises
+``NotImplementedError`` (with the ``interpret=True`` hint) for one it cannot. Each
+lowering is ``mlir.lower_fun`` of the backend's kernel; for kernel backends in a
+process with several devices it is wrapped in ``custom_partitioning``
+(:mod:`maskconv_kernels.sharding`) so that XLA splits it along the batch like a native op.
+
+The backend supplies its three kernels and its support check (:mod:`.backends`); the
+1-D lift, the fixed-order sum of weight-gradient splits and the scatter of active-tap
+weight gradients into the dense kernel gradient happen here (:mod:`.problem`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core as jcore
+from jax._src import dispatch
+from jax._src.interpreters import mlir  # lower_per_platform, the multi-platform switch lax.platform_dependent uses
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching
+
+from . import backends as _backends
+from . import sharding as _sharding
+from .backends import Backend
+from .problem import KernelProblem, kernel_problem, lift, scatter_taps, sum_in_order
+from .spec import ConvSpec
+
+__all__ = ["Call", "Job", "masked_conv", "conv_p", "conv_dx_p", "conv_dk_p"]  # the single-device flavour
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The static parameters of the three primitives (hashable).
+
+    ``backend=None``: chosen per lowering platform (``implementation=None``).
+    ``dtype``: the dtype of ``x`` and ``kernel`` in the primal call (configs default from it).
+    """
+
+    spec: ConvSpec
+    backend: Backend | None
+    interpret: bool
+    config: Any
+    dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What a backend's kernel is given besides its operands."""
+
+    spec: ConvSpec
+    problem: KernelProblem | None  # the 2-D problem (kernel backends), else None
+    config: Any  # the backend's config, or None (its default)
+    interpret: bool
+    platform: str  # the lowering platform: "cpu", "cuda", "rocm", "tpu"
+    dtype: np.dtype  # as Call.dtype
+
+
+def masked_conv(x, kernel, spec: ConvSpec, *, backend: Backend | None, interpret: bool = False, config=None):
+    """``y = conv(x, kernel)`` through the core's primitives.
+
+    Args:
+      x: ``(N, *spatial, C_in)``.
+      kernel: ``(*window, C_in // groups, C_out)``, the dtype of ``x``.
+      spec: the validated problem.
+      backend: the backend record, or ``None`` to choose one per lowering platform.
+      interpret: run kernel backends in their interpreters.
+      config: the backend's frozen config, or ``None`` for its default.
+    """
+    out_shape = (x.shape[0], *spec.out_spatial, spec.c_out)
+    if 0 in x.shape or 0 in kernel.shape or not spec.mask.active_taps:
+        # Every output is an empty sum: exact zeros, and zero gradients, with nothing read.
+        return jnp.zeros(out_shape, spec.out_dtype)
+    call = Call(spec, backend, bool(interpret), config, np.dtype(x.dtype))
+    conv = _flavour().conv
+    bind = lambda x, k: _bind(conv, x, k, call=call, out_dtype=np.dtype(spec.out_dtype))
+    mesh = _explicit_mesh((x, kernel))
+    if mesh is None:
+        return bind(x, kernel)
+    # Explicit mesh axes type every value by its sharding, which the primitives (and the
+    # kernels' refs) do not take: inside auto_axes the types are plain and XLA's
+    # partitioner (custom_partitioning for kernel backends) decides the split.
+    batch = jax.sharding.PartitionSpec(_batch_axis(x))
+    out_sharding = jax.sharding.NamedSharding(mesh, batch)
+    return jax.sharding.auto_axes(bind, out_sharding=out_sharding)(x, kernel)
+
+
+def _explicit_mesh(args):
+    """The abstract mesh of the arguments' types when it has Explicit axes, else None."""
+    for a in args:
+        mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            return mesh
+    return None
+
+
+def _batch_axis(x):
+    spec = jax.typeof(x).sharding.spec
+    return spec[0] if len(spec) else None
+
+
+# --------------------------------------------------------------------------- the primitives
+
+
+@dataclasses.dataclass(frozen=True)
+class _Maps:
+    """The three primitives, of one flavour.
+
+    ``spmd=True``: the flavour bound in processes with several devices. jit hands a
+    lowering rule the device assignment only when a primitive says it needs it
+    (``dispatch.prim_requires_devices_during_lowering``), which ``custom_partitioning``
+    does; but such a primitive cannot be lowered under an abstract mesh alone (ahead of
+    time, for a GPU this host does not have). Single-device processes, where
+    partitioning has nothing to do, bind the plain flavour.
+    """
+
+    conv: Primitive
+    dx: Primitive
+    dk: Primitive
+    spmd: bool
+
+    @property
+    def all(self):
+        return (self.conv, self.dx, self.dk)
+
+
+def _maps(spmd: bool) -> _Maps:
+    suffix = "_spmd" if spmd else ""
+    return _Maps(
+        Primitive(f"masked_conv{suffix}"),
+        Primitive(f"masked_conv_input_grad{suffix}"),
+        Primitive(f"masked_conv_weight_grad{suffix}"),
+        spmd,
+    )
+
+
+_PLAIN, _SPMD = _maps(False), _maps(True)
+conv_p, conv_dx_p, conv_dk_p = _PLAIN.all
+_KIND = {}
+for _m in (_PLAIN, _SPMD):
+    _KIND.update({_m.conv: "forward", _m.dx: "input_grad", _m.dk: "weight_grad"})
+for _p in _SPMD.all:
+    dispatch.prim_requires_devices_during_lowering.add(_p)
+
+
+def _flavour() -> _Maps:
+    if jax.device_count() == 1:
+        return _PLAIN
+    # Under an abstract mesh of abstract devices (lowering ahead of time for a GPU this
+    # host lacks, jax >= 0.12) there is no device assignment to partition over.
+    if getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None:
+        return _PLAIN
+    return _SPMD
+
+
+def _out_shape(kind: str, a, call: Call) -> tuple[int, ...]:
+    s = call.spec
+    if kind == "forward":
+        return (a.shape[0], *s.out_spatial, s.c_out)
+    if kind == "input_grad":
+        return (a.shape[0], *s.in_spatial, s.c_in)
+    return (*s.window, s.c_in // s.groups, s.c_out)
+
+
+def _abstract_eval(kind):
+    def rule(a, b, *, call, out_dtype):
+        # Operands vary over the same manual axes (_bind), and so does the output:
+        # update() keeps that part of the type.
+        return a.update(shape=_out_shape(kind, a, call), dtype=out_dtype, weak_type=False)
+
+    return rule
+
+
+for _prim, _kind in _KIND.items():
+    _prim.def_impl(functools.partial(dispatch.apply_primitive, _prim))
+    _prim.def_abstract_eval(_abstract_eval(_kind))
+
+
+# --------------------------------------------------------------------------- transposes and JVPs
+
+
+def _dtype(v) -> np.dtype:
+    return np.dtype(v.aval.dtype)
+
+
+def _bind(prim, a, b, **params):
+    # Inside shard_map, an operand that does not vary over a manual axis the other one
+    # varies over (a replicated kernel) is cast to varying first, as lax's own binary
+    # ops do: its cotangent then gets the psum it needs.
+    a, b = jcore.auto_insert_reshard(a, b)
+    return prim.bind(a, b, **params)
+
+
+for _m in (_PLAIN, _SPMD):
+    for _prim, (_lhs, _rhs) in {
+        # transpose in the first operand, in the second, as the other two maps
+        _m.conv: (lambda ct, x, k, m=_m, **p: (m.dx, ct, k, x), lambda ct, x, k, m=_m, **p: (m.dk, x, ct, k)),
+        _m.dx: (lambda ct, dy, k, m=_m, **p: (m.conv, ct, k, dy), lambda ct, dy, k, m=_m, **p: (m.dk, ct, dy, k)),
+        _m.dk: (lambda ct, x, dy, m=_m, **p: (m.dx, dy, ct, x), lambda ct, x, dy, m=_m, **p: (m.conv, x, ct, dy)),
+    }.items():
+        ad.defbilinear(
+            _prim,
+            lambda ct, a, b, *, call, out_dtype, f=_lhs: _transposed(f(ct, a, b), call),
+            lambda ct, a, b, *, call, out_dtype, f=_rhs: _transposed(f(ct, a, b), call),
+        )
+        # Bilinear: jvp(p)(a, b; ta, tb) = p(ta, b) + p(a, tb), each term one exact map.
+        ad.defjvp(
+            _prim,
+            lambda ta, a, b, *, _p=_prim, **params: _bind(_p, ta, b, **params),
+            lambda tb, a, b, *, _p=_prim, **params: _bind(_p, a, tb, **params),
+        )
+
+
+def _transposed(how, call: Call):
+    prim, a, b, primal = how
+    return _bind(prim, a, b, call=call, out_dtype=_dtype(primal))
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def _at_front(a, d, size):
+    if d is None:
+        return jnp.broadcast_to(a, (size, *a.shape))
+    return jnp.moveaxis(a, d, 0)
+
+
+def _batching_rule(prim):
+    # conv and conv_dx are per-example in their first operand: a map over it alone
+    # folds into the batch (one call on B * N examples). conv_dk sums over examples,
+    # and a mapped kernel is a different kernel per map index: those map the primitive.
+    foldable = _KIND[prim] != "weight_grad"
+
+    def rule(args, dims, *, call, out_dtype):
+        (a, b), (da, db) = args, dims
+        size = a.shape[da] if da is not None else b.shape[db]
+        if foldable and db is None:
+            a = jnp.moveaxis(a, da, 0)
+            out = _bind(prim, a.reshape(size * a.shape[1], *a.shape[2:]), b, call=call, out_dtype=out_dtype)
+            return out.reshape(size, a.shape[1], *out.shape[1:]), 0
+        a, b = _at_front(a, da, size), _at_front(b, db, size)
+        out = lax.map(lambda ab: _bind(prim, *ab, call=call, out_dtype=out_dtype), (a, b))
+        return out, 0
+
+    return rule
+
+
+for _prim in _KIND:
+    batching.primitive_batchers[_prim] = _batching_rule(_prim)
+
+
+# --------------------------------------------------------------------------- lowering, per platform
+
+
+def _lowering_rule(prim):
+    kind = _KIND[prim]
+
+    def rule(ctx, a, b, *, call: Call, out_dtype):
+        platforms = tuple(ctx.platforms or ctx.module_context.platforms)
+        spmd = prim in _SPMD.all
+        per_platform = {p: _platform_rule(kind, call, np.dtype(out_dtype), p, spmd) for p in platforms}
+        return mlir.lower_per_platform(ctx, f"{prim.name} ({kind})", per_platform, None, frozenset(), a, b)
+
+    return rule
+
+
+def _platform_rule(kind: str, call: Call, out_dtype: np.dtype, platform: str, spmd: bool):
+    backend = call.backend or _backends.choose(call.spec, platform, call.interpret)
+    reason = backend.unsupported(call.spec, platform, call.interpret)
+    if reason is not None:
+        raise NotImplementedError(
+            f'implementation="{backend.name}" cannot be lowered for platform "{platform}": {reason}'
+        )
+    job = Job(
+        call.spec, kernel_problem(call.spec) if backend.kernel_problem else None, call.config, call.interpret,
+        platform, call.dtype,
+    )
+    fn = functools.partial(_run, kind, backend, job, out_dtype)
+    lowered = mlir.lower_fun(fn, multiple_results=False)
+    partitioned = None
+    if spmd and backend.spmd == _backends.BATCH and not (call.interpret and backend.host_interpret):
+        partitioned = mlir.lower_fun(_batch_partitioned(kind, fn), multiple_results=False)
+
+    def rule(ctx, a, b):
+        with warnings.catch_warnings():
+            for message in backend.lowering_warnings:
+                warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
+            if partitioned is not None and _several_devices(ctx):
+                return partitioned(ctx, a, b)
+            return lowered(ctx, a, b)
+
+    return rule
+
+
+def _several_devices(ctx) -> bool:
+    """Whether the module is lowered for several devices whose assignment is known (jit, not export)."""
+    axis_context = ctx.module_context.axis_context
+    devices = getattr(axis_context, "device_assignment", None)
+    if devices is None and getattr(axis_context, "mesh", None) is not None:
+        devices = axis_context.mesh._flat_devices_tuple  # SPMDAxisContext (inside shard_map)
+    return devices is not None and len(devices) > 1
+
+
+def _batch_partitioned(kind: str, fn):
+    # conv and conv_dx: batched operand and output, replicated kernel. conv_dk: both
+    # operands batched, the output a sum over examples (psum across devices).
+    batched_in, batched_out = ((True, True), (False,)) if kind == "weight_grad" else ((True, False), (True,))
+
+    def partitioned(a, b):
+        (out,) = _sharding.custom_partitioned(lambda a, b: (fn(a, b),), batched_in, batched_out, (a, b))
+        return out
+
+    return partitioned
+
+
+def _run(kind: str, backend: Backend, job: Job, out_dtype: np.dtype, a, b):
+    """One backend kernel on N-D operands: lifts to the 2-D problem and back for kernel backends."""
+    module = backend.load()
+    if not backend.kernel_problem:
+        return getattr(module, kind)(a, b, job, out_dtype)
+    p, s, batch = job.problem, job.spec, a.shape[0]
+    if kind == "forward":
+        y = module.forward(lift(a, p.x_shape(batch)), lift(b, p.kernel_shape()), job, out_dtype)
+        return y.reshape(batch, *s.out_spatial, s.c_out)
+    if kind == "input_grad":
+        dx = module.input_grad(lift(a, p.y_shape(batch)), lift(b, p.kernel_shape()), job, out_dtype)
+        return dx.reshape(batch, *s.in_spatial, s.c_in)
+    parts = module.weight_grad(lift(a, p.x_shape(batch)), lift(b, p.y_shape(batch)), job, out_dtype)
+    # Splits of the pixel reduction are added in a fixed order; masked taps were never
+    # computed and are exact zeros.
+    dk = scatter_taps(sum_in_order(parts), p).astype(out_dtype)
+    return dk.reshape(*s.window, s.c_in, s.c_out)
+
+
+for _prim in _KIND:
+    mlir.register_lowering(_prim, _lowering_rule(_prim))
