@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 
 import jax
-import jax.numpy as jnp
 
 from . import backends as _backends
 from . import core
@@ -111,6 +110,4 @@ def masked_conv(
             )
     elif config is not None:
         raise ValueError("config= is the config of one backend: name it with implementation=")
-    if x.shape[0] == 0:  # an empty batch: nothing to compute (the kernels' grids cannot be empty)
-        return jnp.zeros((0, *spec.out_spatial, spec.c_out), spec.out_dtype)
     return core.masked_conv(x, kernel, spec, backend=backend, interpret=interpret, config=config)
