@@ -363,7 +363,8 @@ def audit_causal(
     forbidden = _Forbidden(layout, ranks, visible, include_current)
     checks = _checks(checks, x.dtype)
     units, sample = _sample(positions, layout, ranks, seed)
-    key = jax.random.PRNGKey(seed)
+    # numpy draws: no compilation per shape, and the same values on every device.
+    key = np.random.default_rng(seed)
     results = []
     shared = {}  # the batched forward pass, compiled once for the NaN and perturbation checks
     method_text = "black-box (forward passes only)"
@@ -609,11 +610,11 @@ def _unit_function(f, x: jax.Array, layout: _Layout, y_shape, cast):
     return g
 
 
-def _basis(n_dims: int, key, count: int) -> tuple[np.ndarray | jax.Array, bool]:
+def _basis(n_dims: int, rng: np.random.Generator, count: int) -> tuple[np.ndarray | jax.Array, bool]:
     """Per-unit vectors ``(B, n_dims)``: the identity (exact entries) or one random unit-variance vector."""
     if n_dims <= MAX_BASIS:
         return jnp.eye(n_dims, dtype=jnp.float32), True
-    return jax.random.normal(key, (count, 1, n_dims), jnp.float32), False
+    return jnp.asarray(rng.standard_normal((count, 1, n_dims), np.float32)), False
 
 
 def _chunk(chunk_size, per_item_elements: int, basis: int) -> int:
@@ -757,24 +758,26 @@ def _gradient_result(leak: np.ndarray, units, layout, ranks, worst: int, seconds
 # The black-box checks: NaN isolation and perturbation
 
 
-def _replacement(name: str, xu: jax.Array, vocab_size, key) -> jax.Array:
+def _replacement(name: str, xu: jax.Array, vocab_size, rng: np.random.Generator) -> jax.Array:
     """``(U, K)`` values that differ from ``xu`` everywhere: NaN, another token, another float."""
-    dtype = xu.dtype
     if name == "nan":
         return jnp.full_like(xu, jnp.nan)
-    if dtype == jnp.bool_:
-        return ~xu
-    if jnp.issubdtype(dtype, jnp.integer):
-        vocab = int(vocab_size) if vocab_size is not None else int(xu.max()) + 1
+    host = np.asarray(xu)
+    if host.dtype == np.bool_:
+        return jnp.asarray(~host)
+    if np.issubdtype(host.dtype, np.integer):
+        vocab = int(vocab_size) if vocab_size is not None else int(host.max()) + 1
         if vocab < 2:
             raise ValueError(f"perturbing integer inputs needs at least 2 values to choose from; x.max() + 1 = "
                              f"{vocab}: pass vocab_size")
-        shift = jax.random.randint(key, xu.shape, 1, vocab, dtype=jnp.int32)
-        return ((xu.astype(jnp.int32) + shift) % vocab).astype(dtype)
-    scale = jnp.maximum(jnp.std(xu.astype(jnp.float32)), 1.0)
-    noise = jax.random.normal(key, xu.shape, jnp.float32) * scale
-    other = (xu.astype(jnp.float32) + jnp.where(noise >= 0, 1, -1) * (jnp.abs(noise) + 0.5 * scale)).astype(dtype)
-    return jnp.where(other == xu, -xu - 1, other)
+        shift = rng.integers(1, vocab, host.shape)
+        return jnp.asarray(((host.astype(np.int64) + shift) % vocab).astype(host.dtype))
+    # Another float, at least half a standard deviation away (in x's own dtype).
+    x32 = host.astype(np.float32)
+    scale = max(float(x32.std()), 1.0)
+    noise = rng.standard_normal(host.shape).astype(np.float32)
+    other = (x32 + np.where(noise >= 0, 1, -1) * (np.abs(noise) + 0.5) * scale).astype(host.dtype)
+    return jnp.asarray(np.where(other == host, (-x32 - 1).astype(host.dtype), other))
 
 
 def _bits(y: jax.Array) -> jax.Array:
@@ -789,7 +792,7 @@ def _blackbox_check(name, f, x, layout, y_struct, forbidden, units, ranks, vocab
     xu = layout.to_units(x)
     n_units, k_in = xu.shape
     f_out = int(np.prod(y_struct.shape)) // n_units
-    other = _replacement(name, xu, vocab_size, jax.random.fold_in(key, 1))
+    other = _replacement(name, xu, vocab_size, key)
     chunk = _chunk(chunk_size, n_units * max(f_out, k_in), 1)
 
     chunk = min(chunk, len(units))
