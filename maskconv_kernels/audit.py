@@ -285,13 +285,14 @@ def as_function(model: Any, variables: Any = None, **apply_kwargs) -> Callable[[
             raise TypeError(f"variables were given, but {type(model).__name__} has no .apply: pass variables "
                             "only with a flax.linen module")
         return _named(lambda x: model.apply(variables, x, **apply_kwargs), type(model).__name__)
-    if _is_nnx_module(model):
+    if _is_flax_module(model, "nnx"):
         from flax import nnx
 
         graphdef, state = nnx.split(model)
         return _named(lambda x: nnx.merge(graphdef, state)(x, **apply_kwargs), type(model).__name__)
-    if hasattr(model, "apply") and hasattr(model, "init") and not callable(getattr(model, "__call__", None)):
-        raise TypeError("a flax.linen module needs its variables: as_function(module, variables)")
+    if _is_flax_module(model, "linen"):
+        raise TypeError(f"{type(model).__name__} is a flax.linen module: it needs its variables, "
+                        "as_function(module, variables)")
     if apply_kwargs:
         return _named(lambda x: model(x, **apply_kwargs), _name_of(model))
     return model
@@ -358,10 +359,17 @@ def audit_causal(
     layout = _Layout.make(x, position_axes, sub_pixels)
     y_struct = jax.eval_shape(lambda v: _single_leaf(f(v)), x)
     layout.check_output(y_struct)
+    if visible is not None and (include_current or not (isinstance(order, str) and order == "raster")):
+        raise ValueError("visible replaces order and include_current: pass either a predicate or an order "
+                         "(with include_current), not both")
     ranks = _ranks(order, layout, visible)
     rule = _rule(order, visible, include_current, layout)
     forbidden = _Forbidden(layout, ranks, visible, include_current)
-    checks = _checks(checks, x.dtype)
+    checks = _checks(checks, x.dtype, y_struct.dtype)
+    if "gradient" not in checks and method != "auto":
+        raise ValueError(f"method={method!r} is how gradients are taken, but checks={checks} has no gradient check")
+    if vocab_size is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"vocab_size is the range of integer tokens, but x is {x.dtype}")
     units, sample = _sample(positions, layout, ranks, seed)
     # numpy draws: no compilation per shape, and the same values on every device.
     key = np.random.default_rng(seed)
@@ -541,17 +549,23 @@ class _Forbidden:
         return ~np.broadcast_to(seen, (len(units), len(idx)))
 
 
-def _checks(checks, dtype) -> tuple[str, ...]:
-    floating = jnp.issubdtype(dtype, jnp.floating)
+def _checks(checks, x_dtype, y_dtype) -> tuple[str, ...]:
+    """The checks to run: by default every one that applies (gradient needs float in and out, NaN float in)."""
+    float_in = jnp.issubdtype(x_dtype, jnp.floating)
+    float_out = jnp.issubdtype(y_dtype, jnp.floating)
     if checks is None:
-        return ("gradient", "nan") if floating else ("perturb",)
+        if not float_in:
+            return ("perturb",)
+        return ("gradient", "nan") if float_out else ("nan", "perturb")
     checks = tuple(checks)
     unknown = [c for c in checks if c not in CHECKS]
     if unknown or not checks:
         raise ValueError(f"checks must be a non-empty subset of {CHECKS}, got {checks}")
-    if not floating and ("gradient" in checks or "nan" in checks):
-        raise ValueError(f"x is {dtype}: the gradient and NaN checks need a floating input; use "
+    if not float_in and ("gradient" in checks or "nan" in checks):
+        raise ValueError(f"x is {x_dtype}: the gradient and NaN checks need a floating input; use "
                          "checks=('perturb',), the black-box mode")
+    if not float_out and "gradient" in checks:
+        raise ValueError(f"f(x) is {y_dtype}, not differentiable: use checks=('nan', 'perturb'), the black-box mode")
     return checks
 
 
@@ -880,12 +894,18 @@ def _single_leaf(y):
     return leaves[0]
 
 
-def _is_nnx_module(model) -> bool:
+def _is_flax_module(model, api: str) -> bool:
+    """Whether ``model`` is a ``flax.linen`` or ``flax.nnx`` module, without importing flax if it is absent."""
     try:
-        from flax import nnx
+        if api == "nnx":
+            from flax import nnx
+
+            return isinstance(model, nnx.Module)
+        import flax.linen
+
+        return isinstance(model, flax.linen.Module)
     except ImportError:
         return False
-    return isinstance(model, nnx.Module)
 
 
 def _named(fn, name: str):

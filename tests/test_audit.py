@@ -488,6 +488,14 @@ def test_blackbox_tokens_with_sampling_inside():
         mk.audit_causal(make_token_model(False), tokens, checks=("gradient",))
 
 
+def test_float_input_integer_output_defaults_to_black_box():
+    """An argmax head is not differentiable: the default checks are NaN isolation and perturbation."""
+    report = mk.audit_causal(lambda x: jnp.argmax(causal_conv1d(x), -1), SEQ(), include_current=True)
+    assert [c.check for c in report.checks] == ["nan", "perturb"]
+    assert report.check("nan").first.output == (0,) and report.check("nan").first.input == (1,)
+    mk.assert_causal(lambda x: jnp.argmax(causal_conv1d(x, leaky=False), -1), SEQ(), include_current=True)
+
+
 # ---------------------------------------------------------------------------------------
 # The report
 
@@ -518,6 +526,14 @@ def test_errors_say_what_to_do():
         mk.audit_causal(causal_conv1d, x, sub_pixels=2)
     with pytest.raises(TypeError, match="variables"):
         mk.as_function(lambda x: x, {"params": {}})
+    with pytest.raises(TypeError, match=r"as_function\(module, variables\)"):
+        mk.as_function(nn.Dense(3))
+    with pytest.raises(ValueError, match="either a predicate or an order"):
+        mk.audit_causal(causal_conv1d, x, visible=lambda p, q: q < p, include_current=True)
+    with pytest.raises(ValueError, match="no gradient check"):
+        mk.audit_causal(causal_conv1d, x, checks=("nan",), method="forward")
+    with pytest.raises(ValueError, match="black-box"):
+        mk.audit_causal(lambda x: (x > 0).astype(jnp.int32), x, checks=("gradient",))
 
 
 # ---------------------------------------------------------------------------------------
