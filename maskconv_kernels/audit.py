@@ -50,8 +50,10 @@ CHECK_TITLES = {"gradient": "gradient", "nan": "NaN isolation", "perturb": "pert
 # Exact per-feature Jacobian entries up to this many basis vectors per position;
 # beyond it, one random projection per position (stated in the report).
 MAX_BASIS = 16
-# Default sample when there are more output positions than this.
-DEFAULT_MAX_POSITIONS = 256
+# By default every output is audited up to this many (a 32x32 image: about 20 s for an
+# 8-layer, 64-channel PixelCNN on 2 loaded CPU cores), else a sample of DEFAULT_SAMPLE.
+DEFAULT_MAX_POSITIONS = 1024
+DEFAULT_SAMPLE = 256
 # Memory budget for one chunk's largest batched tensor (cotangents, gradients, inputs).
 CHUNK_BYTES = 64 * 2**20
 
@@ -336,7 +338,7 @@ def audit_causal(
         groups ordered after the pixel (3: R, G, B).
       position_axes: the axes of ``x`` (and ``y``) that index positions; default
         ``1 .. x.ndim - 2`` for 3+ dims, ``(1,)`` for 2 dims, ``(0,)`` for 1 dim.
-      positions: ``None`` (every output position up to 256, else a sample of 256),
+      positions: ``None`` (every output unit up to 1024, else a sample of 256),
         ``"all"``, an int (a sample of that many: half evenly spaced in the order, half
         uniform, seeded), or explicit output indices.
       checks: any of ``"gradient"``, ``"nan"``, ``"perturb"``; default gradient + NaN for
@@ -575,7 +577,7 @@ def _sample(positions, layout: _Layout, ranks: np.ndarray, seed: int) -> tuple[n
     by_rank = np.argsort(ranks, kind="stable")
     what = "output positions" if layout.groups == 1 else f"output units (positions x {layout.groups} sub-pixels)"
     if positions is None:
-        positions = "all" if n <= DEFAULT_MAX_POSITIONS else DEFAULT_MAX_POSITIONS
+        positions = "all" if n <= DEFAULT_MAX_POSITIONS else DEFAULT_SAMPLE
     if isinstance(positions, str):
         if positions != "all":
             raise ValueError(f'positions must be None, "all", an int or a list of output indices, got {positions!r}')

@@ -58,16 +58,17 @@ def _nnx_model(make):
     return nnx.merge(graphdef, _params_like(state))
 
 
-def _load_example_model():
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pixelcnn" / "model.py"
-    spec = importlib.util.spec_from_file_location("pixelcnn_model_audit", path)
+def _load_example(name: str, as_name: str):
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pixelcnn" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(as_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses (linen modules) look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-pixelcnn = _load_example_model()
+pixelcnn = _load_example("model", "pixelcnn_model_audit")
+example_audit = _load_example("audit", "pixelcnn_example_audit")
 
 
 # ---------------------------------------------------------------------------------------
@@ -308,6 +309,11 @@ def test_example_gated_pixelcnn_ours_passes_flax_conv_fails_nan():
     leaky = mk.audit_causal(mk.as_function(leaky_model, variables), x, checks=("nan",))
     assert not leaky.check("nan").passed
     assert leaky.check("nan").first.output == (0, 0)
+    # examples/pixelcnn/audit.py's third network: no vertical-to-horizontal shift.
+    unshifted = example_audit.UnshiftedGatedPixelCNN(features=8, layers=3)
+    broken = mk.audit_causal(mk.as_function(unshifted, variables), x, checks=("gradient",))
+    first = broken.check("gradient").first
+    assert (first.output, first.input) == ((0, 0), (0, 0)) and first.value > 0, str(broken)
 
 
 # ---------------------------------------------------------------------------------------
@@ -442,6 +448,8 @@ def test_sample_is_stated_and_chunks_do_not_change_figures():
     assert sample.audited.size == 10 and "a sample of 10 of 42 output positions" in sample.sample
     assert sample.audited[0] == 0 and sample.audited[-1] == 41  # first and last in the order
     np.testing.assert_array_equal(sample.check("gradient").value, full.check("gradient").value[sample.audited])
+    long = mk.audit_causal(lambda x: 2 * x, jnp.zeros((1, 1100, 1)), include_current=True, checks=("nan",))
+    assert long.sample.startswith("a sample of 256 of 1100 output positions")  # the default beyond 1024
     given = mk.audit_causal(f, x, positions=[(3, 2), (0, 1)], checks=("gradient",))
     assert [given.index(u) for u in given.audited] == [(0, 1), (3, 2)]
 
@@ -563,7 +571,12 @@ def test_pixelcnn32_whole_audit_in_seconds():
     report = mk.assert_causal(make_pixelcnn32("A"), x)
     seconds = time.perf_counter() - start
     print(report)
-    assert "a sample of 256 of 1024 output positions" in report.sample
-    assert seconds < 60, f"the audit took {seconds:.1f} s"  # the bar: 30 s on 2 idle cores
+    assert report.sample == "all 1024 output positions"
+    # The bar is 30 s on 2 cores; measured 21 s on 2 shared cores at a load average of 7.
+    # The bound leaves room for a loaded CI machine; the time is printed either way.
+    print(f"whole audit of the 32x32 PixelCNN: {seconds:.1f} s")
+    assert seconds < 90, f"the audit took {seconds:.1f} s"
+    sample = mk.audit_causal(make_pixelcnn32("A"), x, positions=256, checks=("gradient",))
+    assert "a sample of 256 of 1024 output positions" in sample.sample and sample.passed
     leaky = mk.audit_causal(make_pixelcnn32("B"), x, positions=16)
     assert leaky.check("gradient").first.output == (0, 0) and leaky.check("gradient").first.input == (0, 0)
