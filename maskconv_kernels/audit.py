@@ -75,9 +75,10 @@ class Offence:
       output: index of the output position ``p`` (position coordinates, then the
         sub-pixel when ``sub_pixels > 1``).
       input: index of an input ``q`` that ``p`` must not see but does (for the gradient
-        check, the largest ``|dy_p/dx_q|``, or the earliest one for ``first``); ``None``
-        when a black-box check could not single one out (only several inputs together
-        change the output).
+        check, the largest ``|dy_p/dx_q|``, or the earliest one for ``first``). The
+        black-box checks single out ``q`` for their first offender only (changing one
+        forbidden input at a time, in the order); ``None`` for the others, or when no
+        single input changes the output alone.
       value: ``|dy_p/dx_q|`` (float32) for the gradient check; for the black-box checks,
         the number of output elements at ``p`` that changed.
     """
@@ -88,10 +89,12 @@ class Offence:
     value: float
 
     def describe(self) -> str:
-        q = "(not singled out)" if self.input is None else _fmt_index(self.input)
+        pair = f"output {_fmt_index(self.output)}"
+        if self.input is not None:
+            pair += f" <- input {_fmt_index(self.input)}"
         if self.check == "gradient":
-            return f"output {_fmt_index(self.output)} <- input {q}: |dy/dx| = {self.value:.3g}"
-        return f"output {_fmt_index(self.output)} <- input {q}: {int(self.value)} output element(s) changed"
+            return f"{pair}: |dy/dx| = {self.value:.3g}"
+        return f"{pair}: {int(self.value)} output element(s) changed"
 
     def to_dict(self) -> dict:
         return {"check": self.check, "output": list(self.output),
@@ -615,7 +618,7 @@ def _sample(positions, layout: _Layout, ranks: np.ndarray, seed: int) -> tuple[n
 # The gradient check
 
 
-def _unit_function(f, x: jax.Array, layout: _Layout, y_shape, cast):
+def _unit_function(f, x: jax.Array, layout: _Layout, cast: bool):
     """``xu (U, K) float32 -> yu (U, F)``: f seen unit by unit, float32 at both ends if ``cast``."""
 
     def g(xu):
@@ -671,7 +674,7 @@ def _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size
     """float64 leak matrix rows ``(S, U)`` (forbidden entries only; 0 elsewhere) and the method in words."""
     if method not in ("auto", "reverse", "forward"):
         raise ValueError(f'method must be "auto", "reverse" or "forward", got {method!r}')
-    g = _unit_function(f, x, layout, y_struct.shape, cast=True)
+    g = _unit_function(f, x, layout, cast=True)
     xu = layout.to_units(x.astype(jnp.float32))
     n_units, k_in = xu.shape
     f_out = int(np.prod(y_struct.shape)) // n_units
@@ -813,7 +816,7 @@ def _blackbox_check(name, f, x, layout, y_struct, forbidden, units, ranks, vocab
 
     chunk = min(chunk, len(units))
     if "batched" not in shared:
-        g = _unit_function(f, x, layout, y_struct.shape, cast=False)
+        g = _unit_function(f, x, layout, cast=False)
         shared["batched"] = jax.jit(lambda xs: _bits(jax.vmap(g)(xs)))
     batched = shared["batched"]
     # The clean reference runs through the same executable with the same batch shape, so
