@@ -51,7 +51,7 @@ CHECK_TITLES = {"gradient": "gradient", "nan": "NaN isolation", "perturb": "pert
 # beyond it, one random projection per position (stated in the report).
 MAX_BASIS = 16
 # By default every output is audited up to this many (a 32x32 image: about 20 s for an
-# 8-layer, 64-channel PixelCNN on 2 loaded CPU cores), else a sample of DEFAULT_SAMPLE.
+# 8-layer, 64-channel PixelCNN on 2 loaded AMD EPYC cores), else a sample of DEFAULT_SAMPLE.
 DEFAULT_MAX_POSITIONS = 1024
 DEFAULT_SAMPLE = 256
 # Memory budget for one chunk's largest batched tensor (cotangents, gradients, inputs).
