@@ -147,8 +147,8 @@ class CausalityReport:
       sample: how they were chosen, in words ("all 64 output positions", or a sample).
       method: how gradients were taken, in words.
       checks: one :class:`CheckResult` per check run.
-      device: the device the audit ran on.
-      seconds: total wall time.
+      device: the device the audit ran on, and the jax and jaxlib versions.
+      seconds: total wall time, compilation included.
     """
 
     function: str
@@ -344,8 +344,9 @@ def audit_causal(
       positions: ``None`` (every output unit up to 1024, else a sample of 256),
         ``"all"``, an int (a sample of that many: half evenly spaced in the order, half
         uniform, seeded), or explicit output indices.
-      checks: any of ``"gradient"``, ``"nan"``, ``"perturb"``; default gradient + NaN for
-        floating ``x``, perturb for other dtypes (the black-box mode).
+      checks: any of ``"gradient"``, ``"nan"``, ``"perturb"``; by default gradient + NaN
+        when ``x`` and ``y`` are floating, NaN + perturb when only ``x`` is (an argmax or
+        sampling head), perturb for integer or bool ``x`` (the black-box mode).
       method: ``"reverse"`` (one VJP per audited output), ``"forward"`` (one JVP per
         input unit; needs every position audited and no ``custom_vjp`` inside, e.g. no
         ``masked_conv``) or ``"auto"`` (forward only where it is cheaper and possible).
@@ -377,18 +378,18 @@ def audit_causal(
         raise ValueError(f"vocab_size is the range of integer tokens, but x is {x.dtype}")
     units, sample = _sample(positions, layout, ranks, seed)
     # numpy draws: no compilation per shape, and the same values on every device.
-    key = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed)
     results = []
     shared = {}  # the batched forward pass, compiled once for the NaN and perturbation checks
     method_text = "black-box (forward passes only)"
     for name in checks:
         t = time.perf_counter()
         if name == "gradient":
-            raw, method_text = _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size, key)
+            raw, method_text = _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size, rng)
             results.append(_gradient_result(raw, units, layout, ranks, worst, time.perf_counter() - t))
         else:
             results.append(_blackbox_check(name, f, x, layout, y_struct, forbidden, units, ranks, vocab_size,
-                                           chunk_size, key, worst, t, shared))
+                                           chunk_size, rng, worst, t, shared))
     return CausalityReport(
         function=_name_of(f),
         input_shape=tuple(x.shape),
@@ -670,7 +671,7 @@ def _has_primitive(jaxpr, names) -> bool:
     return False
 
 
-def _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size, key):
+def _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size, rng):
     """float64 leak matrix rows ``(S, U)`` (forbidden entries only; 0 elsewhere) and the method in words."""
     if method not in ("auto", "reverse", "forward"):
         raise ValueError(f'method must be "auto", "reverse" or "forward", got {method!r}')
@@ -690,19 +691,19 @@ def _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size
     use_forward = method == "forward" or (
         method == "auto" and every and cost_fwd < cost_rev and _supports_forward(g, xu))
     if use_forward:
-        leak, text = _forward_leaks(g, xu, f_out, chunk_size, key)
+        leak, text = _forward_leaks(g, xu, f_out, chunk_size, rng)
         leak = leak[units]
     else:
-        leak, text = _reverse_leaks(g, xu, units, f_out, chunk_size, key)
+        leak, text = _reverse_leaks(g, xu, units, f_out, chunk_size, rng)
     leak = np.where(forbidden.rows(units), leak, 0.0)
     dtype_note = "" if x.dtype == jnp.float32 else f"; {x.dtype} model, gradients taken in float32 at its boundary"
     return leak, text + dtype_note
 
 
-def _reverse_leaks(g, xu, units, f_out, chunk_size, key):
+def _reverse_leaks(g, xu, units, f_out, chunk_size, rng):
     """``(S, U)``: max over the unit's output features (or one projection) of ``max_K |dy_s/dx_q|``."""
     n_units, k_in = xu.shape
-    vectors, exact = _basis(f_out, key, len(units))
+    vectors, exact = _basis(f_out, rng, len(units))
     b = vectors.shape[-2]
     chunk = min(_chunk(chunk_size, n_units * max(f_out, k_in), b), len(units))
 
@@ -728,10 +729,10 @@ def _reverse_leaks(g, xu, units, f_out, chunk_size, key):
     return out, f"reverse mode (vmap over outputs, chunks of {chunk}); {what}"
 
 
-def _forward_leaks(g, xu, f_out, chunk_size, key):
+def _forward_leaks(g, xu, f_out, chunk_size, rng):
     """``(U_out, U_in)``: max over output features of ``|d y_p / d x_q|`` (exact or one input projection)."""
     n_units, k_in = xu.shape
-    vectors, exact = _basis(k_in, key, n_units)
+    vectors, exact = _basis(k_in, rng, n_units)
     b = vectors.shape[-2]
     chunk = min(_chunk(chunk_size, n_units * max(f_out, k_in), b), n_units)
 
@@ -806,12 +807,12 @@ def _bits(y: jax.Array) -> jax.Array:
     return y
 
 
-def _blackbox_check(name, f, x, layout, y_struct, forbidden, units, ranks, vocab_size, chunk_size, key, worst, t0,
+def _blackbox_check(name, f, x, layout, y_struct, forbidden, units, ranks, vocab_size, chunk_size, rng, worst, t0,
                     shared):
     xu = layout.to_units(x)
     n_units, k_in = xu.shape
     f_out = int(np.prod(y_struct.shape)) // n_units
-    other = _replacement(name, xu, vocab_size, key)
+    other = _replacement(name, xu, vocab_size, rng)
     chunk = _chunk(chunk_size, n_units * max(f_out, k_in), 1)
 
     chunk = min(chunk, len(units))
@@ -927,8 +928,10 @@ def _name_of(f) -> str:
 
 
 def _device() -> str:
+    import jaxlib
+
     d = jax.devices()[0]
-    return f"{d.platform}:{d.id} ({getattr(d, 'device_kind', d.platform)})"
+    return f"{d.platform}:{d.id} ({getattr(d, 'device_kind', d.platform)}; jax {jax.__version__}, jaxlib {jaxlib.__version__})"
 
 
 def _fmt_index(index) -> str:
