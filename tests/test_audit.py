@@ -530,6 +530,24 @@ def test_report_table_and_json():
     assert report.leak_map().shape == (L,) and report.leak_map()[-1] == 0  # the last token has no future
 
 
+def test_nan_gradient_from_the_future_is_a_leak():
+    """``0 * sqrt(|x_next|)`` at ``x_next = 0``: finite outputs ignore the future, but its
+    gradient there is ``0 * inf = NaN``, not 0.0 (and a NaN future gives ``0 * NaN``).
+    Reported as NaN, in the table and the JSON."""
+    x = SEQ().at[0, 1:].set(0.0)
+
+    def f(x):
+        nxt = jnp.pad(x[:, 1:], ((0, 0), (0, 1), (0, 0)))
+        return x + 0.0 * jnp.sqrt(jnp.abs(nxt))
+
+    report = mk.audit_causal(f, x, include_current=True)
+    grad = report.check("gradient")
+    assert not grad.passed and np.isnan(grad.first.value) and (grad.first.output, grad.first.input) == ((0,), (1,))
+    assert not report.check("nan").passed
+    assert mk.audit_causal(f, x, include_current=True, checks=("perturb",)).passed  # finite changes: invisible
+    assert json.loads(report.to_json())["checks"][0]["max"] == "nan"
+
+
 def test_errors_say_what_to_do():
     x = SEQ()
     with pytest.raises(ValueError, match="position_axes"):
