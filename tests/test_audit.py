@@ -63,7 +63,11 @@ def _load_example(name: str, as_name: str):
     spec = importlib.util.spec_from_file_location(as_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses (linen modules) look their module up there
-    spec.loader.exec_module(module)
+    path_before = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path_before  # the examples put their folder first, as scripts do
     return module
 
 
