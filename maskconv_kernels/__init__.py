@@ -1,5 +1,6 @@
 """maskconv-kernels: exact and fast masked convolutions for JAX."""
 from .api import IMPLEMENTATIONS, masked_conv
+from .audit import CausalityError, CausalityReport, as_function, assert_causal, audit_causal
 from .masks import (
     Mask,
     causal_mask,
@@ -23,4 +24,9 @@ __all__ = [
     "channel_grouped_mask",
     "masked_conv_reference",
     "leaky_masked_conv",
+    "audit_causal",
+    "assert_causal",
+    "as_function",
+    "CausalityReport",
+    "CausalityError",
 ]
