@@ -350,8 +350,8 @@ def audit_causal(
         when ``x`` and ``y`` are floating, NaN + perturb when only ``x`` is (an argmax or
         sampling head), perturb for integer or bool ``x`` (the black-box mode).
       method: ``"reverse"`` (one VJP per audited output), ``"forward"`` (one JVP per
-        input unit; needs every position audited and no ``custom_vjp`` inside, e.g. no
-        ``masked_conv``) or ``"auto"`` (forward only where it is cheaper and possible).
+        input unit; needs every position audited and no ``custom_vjp`` inside;
+        ``masked_conv`` is fine) or ``"auto"`` (forward only where it is cheaper and possible).
       vocab_size: integer inputs: replacement tokens are drawn from ``[0, vocab_size)``
         (default ``x.max() + 1``).
       chunk_size: outputs per batched call (default: from an 8 MiB budget for the
@@ -651,8 +651,9 @@ def _chunk(chunk_size, per_item_elements: int, basis: int) -> int:
 def _supports_forward(g, xu) -> bool:
     """Whether ``g`` can be differentiated in forward mode: no ``custom_vjp`` anywhere inside.
 
-    Read from the jaxpr (nested jaxprs included): ``masked_conv`` hides its ``custom_vjp``
-    under platform-dependent code, so tracing a ``jvp`` succeeds and only lowering fails.
+    Read from the jaxpr (nested jaxprs included): a ``custom_vjp`` may sit under
+    platform-dependent code, where tracing a ``jvp`` succeeds and only lowering fails.
+    (``masked_conv`` has forward mode: its primitives carry JVP rules.)
     """
     try:
         jaxpr = jax.make_jaxpr(g)(xu)
@@ -688,8 +689,8 @@ def _gradient_check(f, x, layout, y_struct, forbidden, units, method, chunk_size
         if not every:
             raise ValueError("method='forward' measures every output at once, so it needs positions='all'")
         if not _supports_forward(g, xu):
-            raise ValueError("method='forward' cannot differentiate f forward (a custom_vjp inside, such as "
-                             "masked_conv?); use method='reverse'")
+            raise ValueError("method='forward' cannot differentiate f forward (a custom_vjp or a callback "
+                             "inside); use method='reverse'")
     use_forward = method == "forward" or (
         method == "auto" and every and cost_fwd < cost_rev and _supports_forward(g, xu))
     if use_forward:
