@@ -29,7 +29,7 @@ PLATFORM = backends.lowering_platform()
 
 # Hypothesis: a few examples per backend in the README's test command, more in the slow
 # tier (.ci/run sets HYPOTHESIS_PROFILE=ci). Derandomized: a failure reproduces.
-settings.register_profile("default", max_examples=5, deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("default", max_examples=10, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
