@@ -20,7 +20,7 @@ from hypothesis import settings
 
 import maskconv_kernels as mk
 from maskconv_kernels import backends
-from maskconv_kernels.hardware import DEVICE_KIND, SM_COUNT
+from maskconv_kernels.hardware import gpu_target
 from maskconv_kernels.spec import make_spec
 from maskconv_kernels.xla import XlaConfig
 
@@ -166,19 +166,12 @@ def assert_second_order_close(actual, x, k, mask, **conv_args):
 
 @contextlib.contextmanager
 def cuda_lowering():
-    """Lowering for an NVIDIA GPU on a machine without one.
+    """Lowering for an NVIDIA GPU on a machine without one (:func:`hardware.gpu_target`).
 
-    jax >= 0.12 asks the Triton lowering for the target GPU's compute capability; without
-    a GPU that comes from an abstract device in an abstract mesh (an H200, what CI's GPU
-    check runs on). Older versions need no device to lower. The Pallas Triton backend's
-    deprecation warning (jax >= 0.11) is the package's to filter, while it lowers; here it
-    is an error, so none escapes.
+    The Pallas Triton backend's deprecation warning (jax >= 0.11) is the package's to
+    filter, while it lowers; here it is an error, so none escapes.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
-        if not hasattr(jax.sharding, "AbstractDevice"):
-            yield
-            return
-        device = jax.sharding.AbstractDevice(device_kind=DEVICE_KIND, num_cores=SM_COUNT, platform="gpu")
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        with gpu_target():
             yield
