@@ -35,6 +35,8 @@ def test_leak_report_measures_exactness_and_prints_a_table(tmp_path):
     assert all(v == 0 for v in ours.values()), ours
     # On every platform, inf in the future poisons the leaky baseline's past outputs.
     assert result["exactness"]["lax.conv(kernel*mask)"]["non-finite outputs, inf in the future"] > 0
+    # The model-level rows come from the causality audit: it sees the same poisoning in the stack.
+    assert result["exactness"]["lax.conv(kernel*mask)"]["6-layer stack pixels changed by NaN in the future (audit)"] > 0
     assert all(np.isfinite(v).all() for row in result["timings"] for k, v in row.items() if k != "shape")
 
 
