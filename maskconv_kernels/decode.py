@@ -1,0 +1,396 @@
+"""Decode caches: one masked-convolution layer evaluated one position at a time.
+
+Autoregressive sampling from a convolutional model (PixelCNN, gated PixelCNN, WaveNet)
+usually runs the whole network over the whole image for every generated pixel:
+``(H * W)^2`` pixel-layer evaluations where ``H * W`` suffice. Ramachandran et al.
+(2017, "Fast Generation for Convolutional Autoregressive Models") keep, per layer, a
+cache of the recent inputs its taps read and compute one position per step. This
+module does that for any layer :func:`maskconv_kernels.masked_conv` runs with stride 1:
+
+* the cache is sized from the mask's *active* taps: for 2-D, the rows the active taps
+  reach above the current one plus the current row (whose earlier pixels are the only
+  ones read from it); for 1-D, ``(k - 1) * dilation + 1`` steps of a ring buffer for a
+  causal kernel of size ``k`` (fewer when the mask drops the oldest taps);
+* a step at position ``p`` writes the new input into the cache and returns the layer's
+  output at ``p`` as a sum over the active taps only: the taps' inputs are gathered from
+  the cache and contracted with the active kernel entries. Masked taps are never read,
+  and padding is selected (``jnp.where``), never multiplied, so a NaN in a slot no
+  active tap reads cannot reach the output, exactly as in ``masked_conv``;
+* positions are traced values (one compilation for a whole ``lax.scan`` over positions)
+  and may differ per example (``position`` of shape ``(N,)``, like causal-conv1d's
+  ``cache_seqlens``).
+
+Two steps exist for 2-D layers (``DecodeSpec.unit``):
+
+* ``"pixel"``: one pixel in raster order. Every active tap must read a pixel at or
+  before the current one (PixelCNN masks, the gated PixelCNN's horizontal stack).
+* ``"row"``: one whole row. Every active tap must read the current row or a row above
+  (the gated PixelCNN's vertical stack, whose type "B" layers read the current row's
+  pixels on both sides: computable once per row, not once per pixel).
+
+``shift`` serves the first layer of a model: at step ``p`` the newest known input is
+the one at ``p - shift`` (the pixel just sampled), and a layer whose mask never reads
+the current position (type "A") can still give its output at ``p``. Decoding the model
+then feeds the previous sample and gets the logits of the next one, like a transformer
+decoder fed its shifted tokens.
+
+Shapes: ``cache: (N, *DecodeSpec.cache_spatial, C_in)``; at one position, the input is
+``(N, C_in)`` (pixel step) or ``(N, W, C_in)`` (row step) and the output ``(N, C_out)``
+or ``(N, W, C_out)``; ``kernel: (*window, C_in // groups, C_out)``, as for
+``masked_conv``. Accumulation is in float32; outputs have the input's dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .api import masked_conv
+from .masks import Mask, as_mask
+
+__all__ = ["DecodeSpec", "make_decode_spec", "init_cache", "update", "output", "step"]
+
+UNITS = ("pixel", "row")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Everything static about decoding one masked-convolution layer.
+
+    Attributes:
+      mask: the normalised mask (window-shaped, or a full mask without channel-partial taps).
+      spatial: the full input (= output) spatial shape, ``(L,)`` or ``(H, W)``.
+      offsets: per active tap, in raster order, the offset of the input it reads from the
+        output position: ``tap * dilation - padding_lo`` per spatial dim.
+      taps: the active taps themselves (indices into the kernel window), same order.
+      padding: ``(lo, hi)`` per spatial dim (``lo + hi = dilation * (k - 1)``: same-size output).
+      dilation: kernel dilation per spatial dim.
+      groups: ``feature_group_count``.
+      unit: ``"pixel"`` (one position per step) or ``"row"`` (2-D: one row per step).
+      shift: at step ``p`` the input given is the one at position ``p - shift``.
+    """
+
+    mask: Mask
+    spatial: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+    taps: tuple[tuple[int, ...], ...]
+    padding: tuple[tuple[int, int], ...]
+    dilation: tuple[int, ...]
+    groups: int
+    unit: str
+    shift: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.spatial)
+
+    @property
+    def cache_spatial(self) -> tuple[int, ...]:
+        """``(S,)`` ring-buffer steps (1-D) or ``(R, W)`` rows of the width (2-D).
+
+        ``S`` and ``R`` are one more than the farthest the active taps reach back (in
+        steps, or rows), so the slot of the oldest input an active tap reads is never
+        overwritten before it is read.
+        """
+        reach = max(-o[0] for o in self.offsets)
+        if self.ndim == 1:
+            return (reach + 1,)
+        return (reach + 1, self.spatial[1])
+
+    @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """2-D: the distinct row offsets of the active taps, each read by one 1-D convolution."""
+        return tuple(sorted({o[0] for o in self.offsets}))
+
+
+def _pads(padding, window, dilation) -> tuple[tuple[int, int], ...]:
+    """``(lo, hi)`` per dim for stride 1, from ``masked_conv``'s padding argument."""
+    effective = [d * (k - 1) for k, d in zip(window, dilation)]
+    if isinstance(padding, str):
+        mode = padding.upper()
+        if mode == "CAUSAL":
+            if len(window) != 1:
+                raise ValueError(f'padding="CAUSAL" is defined for 1-D layers only, the window is {window}')
+            return ((effective[0], 0),)
+        if mode == "SAME":
+            return tuple((e // 2, e - e // 2) for e in effective)
+        if mode == "VALID":
+            return tuple((0, 0) for _ in window)
+        raise ValueError(f"padding must be 'SAME', 'VALID', 'CAUSAL' or (lo, hi) pairs, got {padding!r}")
+    try:
+        pairs = tuple((int(lo), int(hi)) for lo, hi in padding)
+    except (TypeError, ValueError):
+        raise ValueError(f"padding must be 'SAME', 'VALID', 'CAUSAL' or (lo, hi) pairs, got {padding!r}") from None
+    if len(pairs) != len(window):
+        raise ValueError(f"padding needs one (lo, hi) pair per spatial dim ({len(window)}), got {padding!r}")
+    return pairs
+
+
+def _ints(name: str, value, ndim: int) -> tuple[int, ...]:
+    values = (value,) * ndim if isinstance(value, (int, np.integer)) else tuple(value)
+    if len(values) != ndim or not all(isinstance(v, (int, np.integer)) and v >= 1 for v in values):
+        raise ValueError(f"{name} must be a positive int or a tuple of {ndim} positive ints, got {value!r}")
+    return tuple(int(v) for v in values)
+
+
+def _reads_future(offset: tuple[int, ...], spec_unit: str, width: int | None, shift: int) -> bool:
+    """Whether a tap at ``offset`` reads an input not yet given at the step that needs it."""
+    if len(offset) == 1:
+        return offset[0] > -shift
+    if spec_unit == "row":
+        return offset[0] > -shift
+    # Raster order: the input at (i + dr, j + dc) comes dr * W + dc positions after (i, j).
+    return offset[0] * width + offset[1] > -shift
+
+
+def make_decode_spec(
+    mask,
+    spatial: Sequence[int],
+    *,
+    padding="SAME",
+    dilation=1,
+    strides=1,
+    feature_group_count: int = 1,
+    unit: str = "pixel",
+    shift: int = 0,
+) -> DecodeSpec:
+    """Validates one layer's arguments (those of ``masked_conv``) for decoding.
+
+    Args:
+      mask: static, shape ``window`` or the full kernel shape; as for ``masked_conv``.
+      spatial: the input's spatial shape, ``(L,)`` or ``(H, W)``. Decoding needs the
+        output on the input's grid (stride 1, ``lo + hi = dilation * (k - 1)``).
+      padding, dilation, strides, feature_group_count: as for ``masked_conv``.
+      unit: ``"pixel"`` (1-D or 2-D) or ``"row"`` (2-D).
+      shift: ``0`` (the input at ``p`` is given at step ``p``) or more (at step ``p`` the
+        input at ``p - shift`` is given; the mask must not read later positions).
+
+    Raises:
+      NotImplementedError: strides other than 1, 3-D layers, channel-partial (R/G/B) masks.
+      ValueError: the output grid is not the input's, or an active tap reads a position
+        that is not yet given when its output is due.
+    """
+    spatial = tuple(int(s) for s in spatial)
+    ndim = len(spatial)
+    if ndim not in (1, 2):
+        raise NotImplementedError(f"decoding supports 1-D and 2-D layers, got spatial shape {spatial}")
+    if unit not in UNITS or (unit == "row" and ndim != 2):
+        raise ValueError(f"unit must be 'pixel' (1-D or 2-D) or 'row' (2-D), got {unit!r} for {ndim}-D")
+    if not isinstance(shift, (int, np.integer)) or shift < 0:
+        raise ValueError(f"shift must be a non-negative int, got {shift!r}")
+    strides = _ints("strides", strides, ndim)
+    if any(s != 1 for s in strides):
+        raise NotImplementedError(
+            f"decoding steps one position at a time, so it needs strides=1; got strides={strides}. "
+            "A strided layer's outputs are not on the input's grid: run it with masked_conv instead"
+        )
+    dilation = _ints("dilation", dilation, ndim)
+    if isinstance(mask, Mask):
+        window = mask.window
+    else:
+        window = tuple(np.shape(mask)[:ndim])
+    if len(window) != ndim:
+        raise ValueError(f"mask has {len(window)} window dims but the spatial shape {spatial} has {ndim}")
+    shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
+    mask = as_mask(mask, shape if len(shape) == ndim + 2 else (*window, 1, 1))
+    if mask.partial_taps:
+        raise NotImplementedError(
+            f"mask has channel-partial taps {list(mask.partial_taps)} (an R/G/B channel-grouped mask): "
+            "decoding them needs one step per channel group (sub-pixel steps), which is not implemented. "
+            "Decode with window-shaped masks, or sample such a model with full forward passes"
+        )
+    pads = _pads(padding, window, dilation)
+    for d, ((lo, hi), k, dil) in enumerate(zip(pads, window, dilation)):
+        if lo + hi != dil * (k - 1):
+            raise ValueError(
+                f"decoding needs each output on its input's position, but padding {pads[d]} in spatial dim {d} "
+                f"gives {spatial[d] + lo + hi - dil * (k - 1)} outputs for {spatial[d]} inputs: use padding='SAME' "
+                f"(or 'CAUSAL' for 1-D), or (lo, hi) pairs with lo + hi = dilation * (k - 1) = {dil * (k - 1)}"
+            )
+    taps = mask.active_taps
+    if not taps:
+        raise ValueError("mask has no active tap: the layer's output is its bias alone, there is nothing to decode")
+    offsets = tuple(tuple(t * dil - lo for t, dil, (lo, _) in zip(tap, dilation, pads)) for tap in taps)
+    future = [t for t, o in zip(taps, offsets) if _reads_future(o, unit, spatial[-1], shift)]
+    if future:
+        hint = ""
+        if unit == "pixel" and ndim == 2 and all(o[0] <= -shift for o in offsets):
+            hint = " Its taps read whole rows above or the current row: decode it with unit='row'."
+        raise ValueError(
+            f"mask has active taps {future} that read inputs after the current position in decoding order "
+            f"(unit={unit!r}, shift={shift}): a step could not compute the output from the inputs given so far."
+            + hint
+        )
+    return DecodeSpec(mask, spatial, offsets, taps, pads, dilation, int(feature_group_count), unit, int(shift))
+
+
+def init_cache(spec: DecodeSpec, batch: int, c_in: int, dtype=jnp.float32) -> jax.Array:
+    """An empty cache, ``(batch, *spec.cache_spatial, c_in)`` zeros of ``dtype``.
+
+    Slots not yet written are never read as inputs: reads before the start of the
+    sequence (or the image) select zero padding instead, so the initial values do not
+    matter (the tests fill caches with NaN).
+    """
+    return jnp.zeros((batch, *spec.cache_spatial, c_in), dtype)
+
+
+def _positions(position, batch: int) -> jax.Array:
+    """``(N,)`` int32 positions from a scalar or per-example ``position``."""
+    position = jnp.asarray(position, jnp.int32)
+    if position.ndim > 1 or (position.ndim == 1 and position.shape[0] not in (1, batch)):
+        raise ValueError(f"position must be a scalar or of shape ({batch},), got shape {position.shape}")
+    return jnp.broadcast_to(position, (batch,))
+
+
+def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Array:
+    """Writes the input given at step ``position`` (the input at ``position - shift``).
+
+    Args:
+      cache: ``(N, *spec.cache_spatial, C_in)``.
+      x: ``(N, C_in)`` (pixel step) or ``(N, W, C_in)`` (row step), the cache's dtype.
+      position: int scalar or ``(N,)``: the step (raster index for 2-D pixel steps, row
+        index for row steps). Where ``position - shift < 0`` nothing is written.
+
+    Returns:
+      The updated cache.
+    """
+    n = cache.shape[0]
+    batch = jnp.arange(n)
+    q = _positions(position, n) - spec.shift
+    valid = q >= 0
+    q = jnp.maximum(q, 0)
+    if spec.ndim == 1:
+        index = (batch, q % spec.cache_spatial[0])
+    elif spec.unit == "row":
+        index = (batch, q % spec.cache_spatial[0])
+    else:
+        width = spec.spatial[1]
+        index = (batch, (q // width) % spec.cache_spatial[0], q % width)
+    keep = valid.reshape((n,) + (1,) * (x.ndim - 1))
+    return cache.at[index].set(jnp.where(keep, x.astype(cache.dtype), cache[index]))
+
+
+def _gather_taps(spec: DecodeSpec, cache: jax.Array, p: jax.Array) -> jax.Array:
+    """``(N, T, C_in)``: the input each active tap reads at output positions ``p`` ``(N,)``.
+
+    Reads outside the sequence or image are zero padding, chosen by ``jnp.where``.
+    """
+    offsets = np.asarray(spec.offsets, np.int32)  # (T, ndim)
+    batch = jnp.arange(cache.shape[0])[:, None]
+    if spec.ndim == 1:
+        t = p[:, None] + offsets[None, :, 0]
+        valid = t >= 0
+        values = cache[batch, jnp.maximum(t, 0) % spec.cache_spatial[0]]
+    else:
+        height, width = spec.spatial
+        row = p[:, None] // width + offsets[None, :, 0]
+        col = p[:, None] % width + offsets[None, :, 1]
+        valid = (row >= 0) & (row < height) & (col >= 0) & (col < width)
+        values = cache[batch, jnp.maximum(row, 0) % spec.cache_spatial[0], jnp.clip(col, 0, width - 1)]
+    return jnp.where(valid[..., None], values, jnp.zeros((), values.dtype))
+
+
+def _pixel_output(spec, cache, kernel, p, precision) -> jax.Array:
+    """``(N, C_out)`` float32: the sum over active taps of ``input(tap) @ kernel[tap]``."""
+    values = _gather_taps(spec, cache, p)  # (N, T, C_in)
+    taps = tuple(np.asarray(spec.taps, np.int32).T)
+    weights = kernel[taps]  # (T, C_in // G, C_out), active taps only
+    g = spec.groups
+    n, t, c_in = values.shape
+    c_out = weights.shape[-1]
+    values = values.reshape(n, t, g, c_in // g)
+    weights = weights.reshape(t, c_in // g, g, c_out // g)
+    y = jnp.einsum("ntgc,tcgd->ngd", values, weights, precision=precision, preferred_element_type=jnp.float32)
+    return y.reshape(n, c_out)
+
+
+def _row_output(spec, cache, kernel, r, precision, implementation, interpret) -> jax.Array:
+    """``(N, W, C_out)`` float32: per active row offset, a 1-D masked convolution of that row."""
+    n = cache.shape[0]
+    batch = jnp.arange(n)
+    (lo_h, _), (lo_w, hi_w) = spec.padding
+    bits = spec.mask.tap_bits
+    y = 0.0
+    for dr in spec.row_offsets:
+        tap_row = (dr + lo_h) // spec.dilation[0]
+        row = r + dr
+        values = cache[batch, jnp.maximum(row, 0) % spec.cache_spatial[0]]  # (N, W, C_in)
+        values = jnp.where((row >= 0)[:, None, None], values, jnp.zeros((), values.dtype))
+        y = y + masked_conv(
+            values,
+            kernel[tap_row],
+            bits[tap_row],
+            padding=((lo_w, hi_w),),
+            dilation=spec.dilation[1],
+            feature_group_count=spec.groups,
+            precision=precision,
+            preferred_element_type=jnp.float32,
+            implementation=implementation,
+            interpret=interpret,
+        )
+    return y
+
+
+def output(
+    spec: DecodeSpec,
+    cache: jax.Array,
+    kernel: jax.Array,
+    position,
+    *,
+    bias: jax.Array | None = None,
+    precision=None,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """The layer's output at step ``position``, from the cache alone.
+
+    Args:
+      cache: ``(N, *spec.cache_spatial, C_in)`` holding every input up to ``position - shift``.
+      kernel: ``(*window, C_in // groups, C_out)``, the cache's dtype.
+      position: int scalar or ``(N,)`` (traced is fine).
+      bias: ``(C_out,)`` or ``None``.
+      precision: ``lax.Precision`` of the products.
+      implementation, interpret: the ``masked_conv`` backend of row steps, and whether
+        to run it in its interpreter (pixel steps are one contraction in pure JAX).
+
+    Returns:
+      ``(N, C_out)`` (pixel step) or ``(N, W, C_out)`` (row step), the cache's dtype.
+    """
+    p = _positions(position, cache.shape[0])
+    if spec.unit == "row":
+        y = _row_output(spec, cache, kernel, p, precision, implementation, interpret)
+    else:
+        y = _pixel_output(spec, cache, kernel, p, precision)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(cache.dtype)
+
+
+def step(
+    spec: DecodeSpec,
+    cache: jax.Array,
+    x: jax.Array,
+    kernel: jax.Array,
+    position,
+    *,
+    bias: jax.Array | None = None,
+    precision=None,
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """One decoding step: :func:`update` with ``x``, then :func:`output` at ``position``.
+
+    Returns:
+      ``(y, cache)``: the output at ``position`` (``(N, C_out)`` or ``(N, W, C_out)``) and
+      the updated cache.
+    """
+    cache = update(spec, cache, x, position)
+    y = output(
+        spec, cache, kernel, position, bias=bias, precision=precision, implementation=implementation,
+        interpret=interpret,
+    )
+    return y, cache
