@@ -63,7 +63,8 @@ class DecodeSpec:
 
     Attributes:
       mask: the normalised mask (window-shaped, or a full mask without channel-partial taps).
-      spatial: the full input (= output) spatial shape, ``(L,)`` or ``(H, W)``.
+      spatial: the full input (= output) spatial shape, ``(L,)`` or ``(H, W)``. The
+        first entry may be ``None``: a step never needs the length of the decoding order.
       offsets: per active tap, in raster order, the offset of the input it reads from the
         output position: ``tap * dilation - padding_lo`` per spatial dim.
       taps: the active taps themselves (indices into the kernel window), same order.
@@ -162,8 +163,9 @@ def make_decode_spec(
 
     Args:
       mask: static, shape ``window`` or the full kernel shape; as for ``masked_conv``.
-      spatial: the input's spatial shape, ``(L,)`` or ``(H, W)``. Decoding needs the
-        output on the input's grid (stride 1, ``lo + hi = dilation * (k - 1)``).
+      spatial: the input's spatial shape, ``(L,)`` or ``(H, W)``; the first entry may be
+        ``None`` (only the width is needed). Decoding needs the output on the input's grid
+        (stride 1, ``lo + hi = dilation * (k - 1)``).
       padding, dilation, strides, feature_group_count: as for ``masked_conv``.
       unit: ``"pixel"`` (1-D or 2-D) or ``"row"`` (2-D).
       shift: ``0`` (the input at ``p`` is given at step ``p``) or more (at step ``p`` the
@@ -174,7 +176,7 @@ def make_decode_spec(
       ValueError: the output grid is not the input's, or an active tap reads a position
         that is not yet given when its output is due.
     """
-    spatial = tuple(int(s) for s in spatial)
+    spatial = tuple(None if s is None and d == 0 else int(s) for d, s in enumerate(spatial))
     ndim = len(spatial)
     if ndim not in (1, 2):
         raise NotImplementedError(f"decoding supports 1-D and 2-D layers, got spatial shape {spatial}")
@@ -208,7 +210,7 @@ def make_decode_spec(
         if lo + hi != dil * (k - 1):
             raise ValueError(
                 f"decoding needs each output on its input's position, but padding {pads[d]} in spatial dim {d} "
-                f"gives {spatial[d] + lo + hi - dil * (k - 1)} outputs for {spatial[d]} inputs: use padding='SAME' "
+                f"changes the size by {lo + hi - dil * (k - 1):+d}: use padding='SAME' "
                 f"(or 'CAUSAL' for 1-D), or (lo, hi) pairs with lo + hi = dilation * (k - 1) = {dil * (k - 1)}"
             )
     taps = mask.active_taps
@@ -286,10 +288,11 @@ def _gather_taps(spec: DecodeSpec, cache: jax.Array, p: jax.Array) -> jax.Array:
         valid = t >= 0
         values = cache[batch, jnp.maximum(t, 0) % spec.cache_spatial[0]]
     else:
-        height, width = spec.spatial
+        width = spec.spatial[1]
         row = p[:, None] // width + offsets[None, :, 0]
         col = p[:, None] % width + offsets[None, :, 1]
-        valid = (row >= 0) & (row < height) & (col >= 0) & (col < width)
+        # No tap reads a later row (make_decode_spec checks), so only the top edge pads rows.
+        valid = (row >= 0) & (col >= 0) & (col < width)
         values = cache[batch, jnp.maximum(row, 0) % spec.cache_spatial[0], jnp.clip(col, 0, width - 1)]
     return jnp.where(valid[..., None], values, jnp.zeros((), values.dtype))
 
