@@ -241,11 +241,19 @@ def init_cache(spec: DecodeSpec, batch: int, c_in: int, dtype=jnp.float32) -> ja
 
 
 def _positions(position, batch: int) -> jax.Array:
-    """``(N,)`` int32 positions from a scalar or per-example ``position``."""
+    """``(1,)`` (one position for the whole batch) or ``(N,)`` (per example) int32 positions."""
     position = jnp.asarray(position, jnp.int32)
     if position.ndim > 1 or (position.ndim == 1 and position.shape[0] not in (1, batch)):
         raise ValueError(f"position must be a scalar or of shape ({batch},), got shape {position.shape}")
-    return jnp.broadcast_to(position, (batch,))
+    return position.reshape(-1)
+
+
+def _slot(spec: DecodeSpec, q: jax.Array) -> tuple[jax.Array, ...]:
+    """Cache indices (``(B,)`` each, after the batch dim) of the input at position ``q >= 0``."""
+    if spec.ndim == 2 and spec.unit == "pixel":
+        width = spec.spatial[1]
+        return ((q // width) % spec.cache_spatial[0], q % width)
+    return (q % spec.cache_spatial[0],)
 
 
 def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Array:
@@ -261,39 +269,43 @@ def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Ar
       The updated cache.
     """
     n = cache.shape[0]
-    batch = jnp.arange(n)
     q = _positions(position, n) - spec.shift
     valid = q >= 0
-    q = jnp.maximum(q, 0)
-    if spec.ndim == 1:
-        index = (batch, q % spec.cache_spatial[0])
-    elif spec.unit == "row":
-        index = (batch, q % spec.cache_spatial[0])
-    else:
-        width = spec.spatial[1]
-        index = (batch, (q // width) % spec.cache_spatial[0], q % width)
+    slot = _slot(spec, jnp.maximum(q, 0))
+    x = x.astype(cache.dtype)
+    if q.shape[0] == 1:
+        # One position for the batch: a dynamic slice, not a scatter.
+        starts = (0, *(i[0] for i in slot)) + (0,) * (cache.ndim - 1 - len(slot))
+        sizes = (n,) + (1,) * len(slot) + cache.shape[1 + len(slot):]
+        old = lax.dynamic_slice(cache, starts, sizes)
+        new = jnp.where(valid[0], x.reshape(sizes), old)
+        return lax.dynamic_update_slice(cache, new, starts)
+    index = (jnp.arange(n), *slot)
     keep = valid.reshape((n,) + (1,) * (x.ndim - 1))
-    return cache.at[index].set(jnp.where(keep, x.astype(cache.dtype), cache[index]))
+    return cache.at[index].set(jnp.where(keep, x, cache[index]))
 
 
 def _gather_taps(spec: DecodeSpec, cache: jax.Array, p: jax.Array) -> jax.Array:
-    """``(N, T, C_in)``: the input each active tap reads at output positions ``p`` ``(N,)``.
+    """``(N, T, C_in)``: the input each active tap reads at output positions ``p`` ``(B,)``.
 
     Reads outside the sequence or image are zero padding, chosen by ``jnp.where``.
     """
     offsets = np.asarray(spec.offsets, np.int32)  # (T, ndim)
-    batch = jnp.arange(cache.shape[0])[:, None]
     if spec.ndim == 1:
-        t = p[:, None] + offsets[None, :, 0]
+        t = p[:, None] + offsets[None, :, 0]  # (B, T)
         valid = t >= 0
-        values = cache[batch, jnp.maximum(t, 0) % spec.cache_spatial[0]]
+        index = (jnp.maximum(t, 0) % spec.cache_spatial[0],)
     else:
         width = spec.spatial[1]
         row = p[:, None] // width + offsets[None, :, 0]
         col = p[:, None] % width + offsets[None, :, 1]
         # No tap reads a later row (make_decode_spec checks), so only the top edge pads rows.
         valid = (row >= 0) & (col >= 0) & (col < width)
-        values = cache[batch, jnp.maximum(row, 0) % spec.cache_spatial[0], jnp.clip(col, 0, width - 1)]
+        index = (jnp.maximum(row, 0) % spec.cache_spatial[0], jnp.clip(col, 0, width - 1))
+    if p.shape[0] == 1:
+        values = cache[(slice(None), *(i[0] for i in index))]  # (N, T, C_in)
+    else:
+        values = cache[(jnp.arange(cache.shape[0])[:, None], *index)]
     return jnp.where(valid[..., None], values, jnp.zeros((), values.dtype))
 
 
@@ -314,14 +326,14 @@ def _pixel_output(spec, cache, kernel, p, precision) -> jax.Array:
 def _row_output(spec, cache, kernel, r, precision, implementation, interpret) -> jax.Array:
     """``(N, W, C_out)`` float32: per active row offset, a 1-D masked convolution of that row."""
     n = cache.shape[0]
-    batch = jnp.arange(n)
     (lo_h, _), (lo_w, hi_w) = spec.padding
     bits = spec.mask.tap_bits
     y = 0.0
     for dr in spec.row_offsets:
         tap_row = (dr + lo_h) // spec.dilation[0]
         row = r + dr
-        values = cache[batch, jnp.maximum(row, 0) % spec.cache_spatial[0]]  # (N, W, C_in)
+        slot = jnp.maximum(row, 0) % spec.cache_spatial[0]
+        values = cache[:, slot[0]] if r.shape[0] == 1 else cache[jnp.arange(n), slot]  # (N, W, C_in)
         values = jnp.where((row >= 0)[:, None, None], values, jnp.zeros((), values.dtype))
         y = y + masked_conv(
             values,
