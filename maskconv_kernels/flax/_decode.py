@@ -21,7 +21,7 @@ autoregressive model needs, whose output at ``p`` must not wait for the sample a
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from maskconv_kernels import decode
@@ -47,7 +47,8 @@ def decode_spec(
     window = tuple(kernel_shape[:-2])
     ndim = len(window)
     if mask is None:
-        raise ValueError("decode=True needs a mask: without one every tap is active, and taps reach ahead")
+        # Every tap active: fine for causal padding; SAME padding reads ahead, which the spec rejects.
+        mask = np.ones(window, bool)
     if any(d != 1 for d in _per_dim(input_dilation, ndim)):
         raise NotImplementedError(f"decode=True supports input_dilation=1 only, got {input_dilation!r}")
     pads = canonicalize_padding(padding, ndim)
