@@ -7,12 +7,15 @@ forward pass (``decode=False``, same parameters).
 """
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, random
+from conftest import TOLERANCE, assert_close, random
 from flax import nnx
 
 import maskconv_kernels as mk
@@ -123,3 +126,67 @@ def test_nnx_decode_equals_the_full_forward_at_every_position():
     got = jnp.stack(ys, 1).reshape(expected.shape)
     assert int(second.cache_index[...]) == H * W
     assert_close(got, expected, np.float32, 6 * 3 * 3 * C, float(np.abs(expected).max()))
+
+
+# --------------------------------------------------------------------------- the example's gated PixelCNN
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pixelcnn"
+
+
+@pytest.fixture(scope="module")
+def example():
+    """``examples/pixelcnn``'s model and samplers (flax and this package only)."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import model
+        import sampling
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return model, sampling
+
+
+@pytest.mark.slow
+def test_example_decodes_rows_and_pixels_to_the_full_forward(example):
+    model_mod, _ = example
+    model = model_mod.GatedPixelCNN(levels=4, features=8, layers=3)
+    n, h, w = 2, 5, 6
+    levels = jax.random.randint(jax.random.key(0), (n, h, w), 0, 4)
+    x = model_mod.to_input(levels, 4)
+    variables = model.init(jax.random.key(1), x)
+    expected = np.asarray(model.apply(variables, x))
+    dec = model.clone(decode=True)
+    params = variables["params"]
+    flat = x.reshape(n, h * w, 1)
+
+    @jax.jit
+    def decoded(cache):
+        def row(cache, i):
+            previous_row = x[:, jnp.maximum(i - 1, 0)][:, None]  # row 0: ignored (decode_shift=1)
+            v_pre, mutated = dec.apply({"params": params, "cache": cache}, previous_row, part="rows", mutable=["cache"])
+
+            def pixel(cache, j):
+                previous = flat[:, jnp.maximum(i * w + j - 1, 0)][:, None, None]
+                v_at = tuple(jax.lax.dynamic_slice_in_dim(v, j, 1, axis=2) for v in v_pre)
+                logits, mutated = dec.apply(
+                    {"params": params, "cache": cache}, previous, part="pixel", v_pre=v_at, mutable=["cache"]
+                )
+                return mutated["cache"], logits[:, 0, 0]
+
+            return jax.lax.scan(pixel, mutated["cache"], jnp.arange(w))
+
+        return jax.lax.scan(row, cache, jnp.arange(h))[1]  # (H, W, N, levels)
+
+    got = np.transpose(np.asarray(decoded(dec.init(jax.random.key(1), x)["cache"])), (2, 0, 1, 3))
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=TOLERANCE[np.dtype("float32")] * scale)
+
+
+def test_example_cached_samples_equal_naive_samples(example):
+    model_mod, sampling = example
+    model = model_mod.GatedPixelCNN(levels=4, features=8, layers=3)
+    variables = model.init(jax.random.key(2), jnp.zeros((1, 5, 6, 1)))
+    key = jax.random.key(3)
+    naive = np.asarray(sampling.sample_naive(model, variables, key, 3, (5, 6)))
+    cached = np.asarray(sampling.sample_cached(model, variables, key, 3, (5, 6)))
+    np.testing.assert_array_equal(cached, naive)
+    np.testing.assert_array_equal(np.asarray(sampling.resample_from_logits(model, variables, key, jnp.asarray(cached))), naive)
