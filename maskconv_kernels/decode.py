@@ -49,7 +49,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .api import masked_conv
 from .masks import Mask, as_mask
 
 __all__ = ["DecodeSpec", "make_decode_spec", "init_cache", "update", "output", "step"]
@@ -309,45 +308,44 @@ def _gather_taps(spec: DecodeSpec, cache: jax.Array, p: jax.Array) -> jax.Array:
     return jnp.where(valid[..., None], values, jnp.zeros((), values.dtype))
 
 
+def _contract(values: jax.Array, kernel: jax.Array, spec: DecodeSpec, precision) -> jax.Array:
+    """``(..., T, C_in) x kernel[active taps]`` -> ``(..., C_out)`` float32: the sum over active taps."""
+    taps = tuple(np.asarray(spec.taps, np.int32).T)
+    weights = kernel[taps]  # (T, C_in // G, C_out): the active taps' entries only
+    g = spec.groups
+    t, c_in = values.shape[-2:]
+    c_out = weights.shape[-1]
+    values = values.reshape(*values.shape[:-1], g, c_in // g)
+    weights = weights.reshape(t, c_in // g, g, c_out // g)
+    y = jnp.einsum("...tgc,tcgd->...gd", values, weights, precision=precision, preferred_element_type=jnp.float32)
+    return y.reshape(*y.shape[:-2], c_out)
+
+
 def _pixel_output(spec, cache, kernel, p, precision) -> jax.Array:
     """``(N, C_out)`` float32: the sum over active taps of ``input(tap) @ kernel[tap]``."""
-    values = _gather_taps(spec, cache, p)  # (N, T, C_in)
-    taps = tuple(np.asarray(spec.taps, np.int32).T)
-    weights = kernel[taps]  # (T, C_in // G, C_out), active taps only
-    g = spec.groups
-    n, t, c_in = values.shape
-    c_out = weights.shape[-1]
-    values = values.reshape(n, t, g, c_in // g)
-    weights = weights.reshape(t, c_in // g, g, c_out // g)
-    y = jnp.einsum("ntgc,tcgd->ngd", values, weights, precision=precision, preferred_element_type=jnp.float32)
-    return y.reshape(n, c_out)
+    return _contract(_gather_taps(spec, cache, p), kernel, spec, precision)
 
 
-def _row_output(spec, cache, kernel, r, precision, implementation, interpret) -> jax.Array:
-    """``(N, W, C_out)`` float32: per active row offset, a 1-D masked convolution of that row."""
-    n = cache.shape[0]
-    (lo_h, _), (lo_w, hi_w) = spec.padding
-    bits = spec.mask.tap_bits
-    y = 0.0
+def _row_output(spec, cache, kernel, r, precision) -> jax.Array:
+    """``(N, W, C_out)`` float32: the same sum for every pixel of row ``r``.
+
+    Each active tap reads a cached row shifted by the tap's column; the width padding is
+    real zeros around the row (``jnp.pad``), as in the full convolution.
+    """
+    n, width = cache.shape[0], spec.spatial[1]
+    lo_w, hi_w = spec.padding[1]
+    padded = {}
     for dr in spec.row_offsets:
-        tap_row = (dr + lo_h) // spec.dilation[0]
         row = r + dr
         slot = jnp.maximum(row, 0) % spec.cache_spatial[0]
         values = cache[:, slot[0]] if r.shape[0] == 1 else cache[jnp.arange(n), slot]  # (N, W, C_in)
         values = jnp.where((row >= 0)[:, None, None], values, jnp.zeros((), values.dtype))
-        y = y + masked_conv(
-            values,
-            kernel[tap_row],
-            bits[tap_row],
-            padding=((lo_w, hi_w),),
-            dilation=spec.dilation[1],
-            feature_group_count=spec.groups,
-            precision=precision,
-            preferred_element_type=jnp.float32,
-            implementation=implementation,
-            interpret=interpret,
-        )
-    return y
+        padded[dr] = jnp.pad(values, ((0, 0), (lo_w, hi_w), (0, 0)))
+    shifted = [
+        lax.slice_in_dim(padded[offset[0]], tap[1] * spec.dilation[1], tap[1] * spec.dilation[1] + width, axis=1)
+        for tap, offset in zip(spec.taps, spec.offsets)
+    ]
+    return _contract(jnp.stack(shifted, 2), kernel, spec, precision)  # (N, W, T, C_in) -> (N, W, C_out)
 
 
 def output(
@@ -358,8 +356,6 @@ def output(
     *,
     bias: jax.Array | None = None,
     precision=None,
-    implementation: str | None = None,
-    interpret: bool = False,
 ) -> jax.Array:
     """The layer's output at step ``position``, from the cache alone.
 
@@ -369,15 +365,13 @@ def output(
       position: int scalar or ``(N,)`` (traced is fine).
       bias: ``(C_out,)`` or ``None``.
       precision: ``lax.Precision`` of the products.
-      implementation, interpret: the ``masked_conv`` backend of row steps, and whether
-        to run it in its interpreter (pixel steps are one contraction in pure JAX).
 
     Returns:
       ``(N, C_out)`` (pixel step) or ``(N, W, C_out)`` (row step), the cache's dtype.
     """
     p = _positions(position, cache.shape[0])
     if spec.unit == "row":
-        y = _row_output(spec, cache, kernel, p, precision, implementation, interpret)
+        y = _row_output(spec, cache, kernel, p, precision)
     else:
         y = _pixel_output(spec, cache, kernel, p, precision)
     if bias is not None:
@@ -394,8 +388,6 @@ def step(
     *,
     bias: jax.Array | None = None,
     precision=None,
-    implementation: str | None = None,
-    interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """One decoding step: :func:`update` with ``x``, then :func:`output` at ``position``.
 
@@ -404,8 +396,5 @@ def step(
       the updated cache.
     """
     cache = update(spec, cache, x, position)
-    y = output(
-        spec, cache, kernel, position, bias=bias, precision=precision, implementation=implementation,
-        interpret=interpret,
-    )
+    y = output(spec, cache, kernel, position, bias=bias, precision=precision)
     return y, cache

@@ -70,9 +70,10 @@ def test_linen_row_steps_for_a_vertical_stack():
     x = random(1, (N, H, W, 3))
     variables = layer.init(jax.random.key(1), x)
     expected = MaskedConv(C, (3, 3), mask=mask).apply({"params": variables["params"]}, x)
+    apply = jax.jit(lambda cache, row: layer.apply({**variables, "cache": cache}, row, mutable=["cache"]))
     cache, rows = variables["cache"], []
     for r in range(H):
-        y, mutated = layer.apply({**variables, "cache": cache}, x[:, r : r + 1], mutable=["cache"])
+        y, mutated = apply(cache, x[:, r : r + 1])
         cache = mutated["cache"]
         rows.append(y)
     assert int(cache["cache_index"]) == H * W  # counted in pixels: a row advances it by W

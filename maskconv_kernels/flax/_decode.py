@@ -128,7 +128,6 @@ def step(
     spec: decode.DecodeSpec,
     *,
     precision,
-    implementation: str | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One position: ``(output shaped like inputs but C_out, new cache, new index)``.
 
@@ -145,8 +144,5 @@ def step(
     else:
         x = inputs.reshape(n, c_in)
         position, advance = index, 1
-    y, cached = decode.step(
-        spec, cached, x.astype(cached.dtype), kernel, position, bias=bias, precision=precision,
-        implementation=implementation,
-    )
+    y, cached = decode.step(spec, cached, x.astype(cached.dtype), kernel, position, bias=bias, precision=precision)
     return y.reshape(*inputs.shape[:-1], y.shape[-1]), cached, index + advance

@@ -173,6 +173,6 @@ class MaskedConv(nn.Module):
         spec = _decode.decode_spec(self.mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
         y, cached.value, index.value = _decode.step(
             inputs, kernel, bias, cached.value, index.value, spec,
-            precision=self.precision, implementation=self.implementation,
+            precision=self.precision,
         )
         return y

@@ -157,7 +157,7 @@ class MaskedConv(nnx.Module):
         spec = _decode.decode_spec(self.mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
         y, cached, index = _decode.step(
             inputs, kernel, bias, cached, self.cache_index[...], spec,
-            precision=self.precision, implementation=self.implementation,
+            precision=self.precision,
         )
         self.cached_input[...] = cached
         self.cache_index[...] = index
