@@ -103,7 +103,7 @@ class DecodeSpec:
 
     @property
     def row_offsets(self) -> tuple[int, ...]:
-        """2-D: the distinct row offsets of the active taps, each read by one 1-D convolution."""
+        """2-D: the distinct row offsets of the active taps (the cached rows a row step reads)."""
         return tuple(sorted({o[0] for o in self.offsets}))
 
 
@@ -247,6 +247,14 @@ def _positions(position, batch: int) -> jax.Array:
     return position.reshape(-1)
 
 
+def _check_cache(spec: DecodeSpec, cache: jax.Array) -> None:
+    if cache.ndim != spec.ndim + 2 or tuple(cache.shape[1:-1]) != spec.cache_spatial:
+        raise ValueError(
+            f"cache has shape {tuple(cache.shape)} but this layer's is (N, {', '.join(map(str, spec.cache_spatial))}, "
+            "C_in): make it with init_cache(spec, ...)"
+        )
+
+
 def _slot(spec: DecodeSpec, q: jax.Array) -> tuple[jax.Array, ...]:
     """Cache indices (``(B,)`` each, after the batch dim) of the input at position ``q >= 0``."""
     if spec.ndim == 2 and spec.unit == "pixel":
@@ -267,6 +275,7 @@ def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Ar
     Returns:
       The updated cache.
     """
+    _check_cache(spec, cache)
     n = cache.shape[0]
     q = _positions(position, n) - spec.shift
     valid = q >= 0
@@ -369,6 +378,13 @@ def output(
     Returns:
       ``(N, C_out)`` (pixel step) or ``(N, W, C_out)`` (row step), the cache's dtype.
     """
+    _check_cache(spec, cache)
+    if tuple(kernel.shape[:-2]) != spec.mask.window or kernel.shape[-2] * spec.groups != cache.shape[-1]:
+        raise ValueError(
+            f"kernel has shape {tuple(kernel.shape)} but the mask's window is {spec.mask.window} and the cache "
+            f"holds {cache.shape[-1]} channels in {spec.groups} group(s): expected "
+            f"({', '.join(map(str, spec.mask.window))}, {cache.shape[-1] // spec.groups}, C_out)"
+        )
     p = _positions(position, cache.shape[0])
     if spec.unit == "row":
         y = _row_output(spec, cache, kernel, p, precision)

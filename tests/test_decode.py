@@ -360,3 +360,8 @@ def test_errors_say_what_is_unsupported():
         decode.make_decode_spec(np.ones(3, bool), (16,))  # SAME and a symmetric kernel read ahead
     with pytest.raises(NotImplementedError, match="1-D and 2-D"):
         decode.make_decode_spec(mk.pixelcnn_mask((3, 3, 3)), (4, 4, 4))
+    spec = decode.make_decode_spec(mk.pixelcnn_mask((3, 3)), (8, 8))
+    with pytest.raises(ValueError, match="make it with init_cache"):
+        decode.step(spec, jnp.zeros((1, 3, 8, 2)), jnp.zeros((1, 2)), jnp.zeros((3, 3, 2, 4)), 0)
+    with pytest.raises(ValueError, match="expected \\(3, 3, 2, C_out\\)"):
+        decode.step(spec, decode.init_cache(spec, 1, 2), jnp.zeros((1, 2)), jnp.zeros((5, 5, 2, 4)), 0)
