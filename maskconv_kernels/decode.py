@@ -324,6 +324,13 @@ def _contract(values: jax.Array, kernel: jax.Array, spec: DecodeSpec, precision)
     g = spec.groups
     t, c_in = values.shape[-2:]
     c_out = weights.shape[-1]
+    if g == 1:
+        # One GEMM over (tap, channel) pairs: (..., T * C_in) @ (T * C_in, C_out).
+        flat = values.reshape(*values.shape[:-2], t * c_in)
+        return lax.dot_general(
+            flat, weights.reshape(t * c_in, c_out), (((flat.ndim - 1,), (0,)), ((), ())),
+            precision=precision, preferred_element_type=jnp.float32,
+        )
     values = values.reshape(*values.shape[:-1], g, c_in // g)
     weights = weights.reshape(t, c_in // g, g, c_out // g)
     y = jnp.einsum("...tgc,tcgd->...gd", values, weights, precision=precision, preferred_element_type=jnp.float32)
