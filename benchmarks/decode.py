@@ -15,8 +15,9 @@ the same key, so their samples must be identical; every row says how that was ch
   position's logits independent of later pixels, bit for bit). Its time is the measured
   time per step times the number of positions: every naive step is the same full pass.
 
-Times are medians over ``--reps`` runs after one compiling call, naive and cached runs
-interleaved in one process; the first (compiling) call is reported separately.
+Times are medians over ``--reps`` runs (more for cheap cases) after one compiling call,
+naive and cached runs interleaved in one process; the first (compiling) call is
+reported separately.
 Writes ``OUT.jsonl`` (one row per case, with the machine, versions and commit),
 ``OUT.md`` (the table) and ``OUT.png`` (time against image size).
 """
@@ -78,19 +79,27 @@ QUICK = (
 )
 
 
-def _median_times(fns: dict, reps: int) -> dict:
-    """Median seconds per function, calls interleaved; the first call of each compiles."""
+def _median_times(fns: dict, reps: int, budget_s: float = 6.0, max_reps: int = 25) -> dict:
+    """Median seconds per function, calls interleaved; the first call of each compiles.
+
+    Cheap cases get more than ``reps`` calls (up to ``max_reps``, within about
+    ``budget_s``): their medians are the noisiest on a shared machine.
+    """
     first, times = {}, {k: [] for k in fns}
     for name, fn in fns.items():
         t = time.perf_counter()
         jax.block_until_ready(fn())
         first[name] = time.perf_counter() - t
+    t = time.perf_counter()
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    reps = max(reps, min(max_reps, int(budget_s / (time.perf_counter() - t))))
     for _ in range(reps):
         for name, fn in fns.items():
             t = time.perf_counter()
             jax.block_until_ready(fn())
             times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}, first
+    return {k: statistics.median(v) for k, v in times.items()}, first, reps
 
 
 def run_case(case: Case, reps: int, seed: int = 0) -> dict:
@@ -108,7 +117,7 @@ def run_case(case: Case, reps: int, seed: int = 0) -> dict:
         naive = lambda: generate_naive(model, variables, key, case.batch, case.size, steps=case.naive_steps)  # noqa: E731
         cached = lambda: generate_cached(model, variables, key, case.batch, case.size)  # noqa: E731
         replay = lambda s: regenerate_from_logits(model, variables, key, s)  # noqa: E731
-    median, first = _median_times({"naive": naive, "cached": cached}, reps)
+    median, first, reps = _median_times({"naive": naive, "cached": cached}, reps)
     naive_out = np.asarray(naive()).reshape(case.batch, -1)
     cached_samples = np.asarray(cached())
     cached_out = cached_samples.reshape(case.batch, -1)
@@ -167,6 +176,7 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     gated = [r for r in rows if r["kind"] == "pixelcnn" and r["name"].startswith("gated")]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -189,6 +199,8 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     axes[1].set_xlabel("image side (pixels)")
     axes[1].set_ylabel("speed-up of cached sampling")
     axes[1].set_xticks(sizes)
+    for ax in axes:
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle(f"{meta['device']}, jax {meta['jax']}, commit {meta['commit'][:12]}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

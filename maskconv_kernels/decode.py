@@ -256,11 +256,15 @@ def _check_cache(spec: DecodeSpec, cache: jax.Array) -> None:
 
 
 def _slot(spec: DecodeSpec, q: jax.Array) -> tuple[jax.Array, ...]:
-    """Cache indices (``(B,)`` each, after the batch dim) of the input at position ``q >= 0``."""
+    """Cache indices (``(B,)`` each, after the batch dim) of the input at position ``q >= 0``.
+
+    ``lax.div``/``lax.rem`` (C semantics) suffice for non-negative ints and cost less
+    inside a loop than Python's floor semantics.
+    """
     if spec.ndim == 2 and spec.unit == "pixel":
         width = spec.spatial[1]
-        return ((q // width) % spec.cache_spatial[0], q % width)
-    return (q % spec.cache_spatial[0],)
+        return (lax.rem(lax.div(q, width), spec.cache_spatial[0]), lax.rem(q, width))
+    return (lax.rem(q, spec.cache_spatial[0]),)
 
 
 def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Array:
@@ -302,14 +306,15 @@ def _gather_taps(spec: DecodeSpec, cache: jax.Array, p: jax.Array) -> jax.Array:
     if spec.ndim == 1:
         t = p[:, None] + offsets[None, :, 0]  # (B, T)
         valid = t >= 0
-        index = (jnp.maximum(t, 0) % spec.cache_spatial[0],)
+        index = (lax.rem(jnp.maximum(t, 0), spec.cache_spatial[0]),)
     else:
         width = spec.spatial[1]
-        row = p[:, None] // width + offsets[None, :, 0]
-        col = p[:, None] % width + offsets[None, :, 1]
+        p = jnp.maximum(p, 0)[:, None]  # negative: not started (outputs unused)
+        row = lax.div(p, width) + offsets[None, :, 0]
+        col = lax.rem(p, width) + offsets[None, :, 1]
         # No tap reads a later row (make_decode_spec checks), so only the top edge pads rows.
         valid = (row >= 0) & (col >= 0) & (col < width)
-        index = (jnp.maximum(row, 0) % spec.cache_spatial[0], jnp.clip(col, 0, width - 1))
+        index = (lax.rem(jnp.maximum(row, 0), spec.cache_spatial[0]), jnp.clip(col, 0, width - 1))
     if p.shape[0] == 1:
         values = cache[(slice(None), *(i[0] for i in index))]  # (N, T, C_in)
     else:
@@ -353,7 +358,7 @@ def _row_output(spec, cache, kernel, r, precision) -> jax.Array:
     padded = {}
     for dr in spec.row_offsets:
         row = r + dr
-        slot = jnp.maximum(row, 0) % spec.cache_spatial[0]
+        slot = lax.rem(jnp.maximum(row, 0), spec.cache_spatial[0])
         values = cache[:, slot[0]] if r.shape[0] == 1 else cache[jnp.arange(n), slot]  # (N, W, C_in)
         values = jnp.where((row >= 0)[:, None, None], values, jnp.zeros((), values.dtype))
         padded[dr] = jnp.pad(values, ((0, 0), (lo_w, hi_w), (0, 0)))

@@ -36,9 +36,13 @@ PIXEL_CASES = {
     "vstack_3x5A": (mk.vertical_stack_mask((3, 5), "A"), {}),
     "3x3B_groups2": (mk.pixelcnn_mask((3, 3), "B"), {"feature_group_count": 2}),
 }
+# The fast tier: the largest mask, dilation and feature groups; the slow tier adds the rest.
+FAST_PIXEL_CASES = {"7x7A", "5x5B_dil2", "3x3B_groups2"}
 
 
-@pytest.mark.parametrize("name", sorted(PIXEL_CASES))
+@pytest.mark.parametrize(
+    "name", [n if n in FAST_PIXEL_CASES else pytest.param(n, marks=pytest.mark.slow) for n in sorted(PIXEL_CASES)]
+)
 def test_pixel_steps_equal_the_full_layer_at_every_position(name):
     mask, kw = PIXEL_CASES[name]
     n, h, w, c_in, c_out = 2, 5, 7, 4, 6
