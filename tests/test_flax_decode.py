@@ -184,7 +184,7 @@ def test_example_decodes_rows_and_pixels_to_the_full_forward(example):
 
 def test_example_cached_samples_equal_naive_samples(example):
     model_mod, sampling = example
-    model = model_mod.GatedPixelCNN(levels=4, features=8, layers=3)
+    model = model_mod.GatedPixelCNN(levels=4, features=8, layers=2)
     variables = model.init(jax.random.key(2), jnp.zeros((1, 5, 6, 1)))
     key = jax.random.key(3)
     naive = np.asarray(sampling.sample_naive(model, variables, key, 3, (5, 6)))
