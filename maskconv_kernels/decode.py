@@ -190,6 +190,8 @@ def make_decode_spec(
             "A strided layer's outputs are not on the input's grid: run it with masked_conv instead"
         )
     dilation = _ints("dilation", dilation, ndim)
+    if not isinstance(feature_group_count, (int, np.integer)) or feature_group_count < 1:
+        raise ValueError(f"feature_group_count must be a positive int, got {feature_group_count!r}")
     if isinstance(mask, Mask):
         window = mask.window
     else:

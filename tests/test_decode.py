@@ -362,6 +362,8 @@ def test_errors_say_what_is_unsupported():
         decode.make_decode_spec(mk.pixelcnn_mask((3, 3)), (8, 8), padding="VALID")
     with pytest.raises(ValueError, match="after the current position"):
         decode.make_decode_spec(np.ones(3, bool), (16,))  # SAME and a symmetric kernel read ahead
+    with pytest.raises(ValueError, match="feature_group_count must be a positive int"):
+        decode.make_decode_spec(mk.pixelcnn_mask((3, 3)), (8, 8), feature_group_count=0)
     with pytest.raises(NotImplementedError, match="1-D and 2-D"):
         decode.make_decode_spec(mk.pixelcnn_mask((3, 3, 3)), (4, 4, 4))
     spec = decode.make_decode_spec(mk.pixelcnn_mask((3, 3)), (8, 8))
