@@ -309,6 +309,31 @@ def test_per_sequence_positions_like_cache_seqlens():
     np.testing.assert_allclose(got[late:, 1], expected[1], **tol)
 
 
+@pytest.mark.parametrize("unit", ["pixel", "row"])
+def test_per_example_positions_in_2d(unit):
+    """The second image starts 3 steps later: per-example positions, pixel and row steps."""
+    mask = mk.pixelcnn_mask((3, 3), "B") if unit == "pixel" else mk.vertical_stack_mask((3, 3), "B")
+    n, h, w, c_in, c_out, late = 2, 4, 5, 3, 4, 3
+    x = random(12, (n, h, w, c_in))
+    kernel = random(13, (3, 3, c_in, c_out))
+    spec = decode.make_decode_spec(mask, (h, w), unit=unit)
+    expected = np.asarray(full(x, kernel, mask))
+    steps = h * w if unit == "pixel" else h
+    seq = x.reshape(n, h * w, c_in) if unit == "pixel" else x  # (N, steps, ...)
+    positions = np.stack([np.minimum(np.arange(steps + late), steps - 1), np.arange(steps + late) - late], 1)
+
+    def body(cache, pos):
+        xs = seq[jnp.arange(n), jnp.maximum(pos, 0)]
+        y, cache = decode.step(spec, cache, xs, kernel, pos)
+        return cache, y
+
+    _, ys = jax.lax.scan(body, nan_cache(spec, n, c_in), jnp.asarray(positions))
+    ys = np.asarray(ys)  # (steps + late, N, c_out) or (steps + late, N, W, c_out)
+    got = [ys[:steps, 0], ys[late:, 1]]
+    for b in range(n):
+        assert_close(got[b].reshape(h, w, c_out), expected[b], np.float32, int(mask.sum()) * c_in, 1.0)
+
+
 # --------------------------------------------------------------------------- dtypes, tracing, errors
 
 
