@@ -28,6 +28,11 @@ Two steps exist for 2-D layers (``DecodeSpec.unit``):
   (the gated PixelCNN's vertical stack, whose type "B" layers read the current row's
   pixels on both sides: computable once per row, not once per pixel).
 
+Channel-grouped masks (the original PixelCNN's R/G/B ordering, where a pixel's green
+channels see its red ones) decode in sub-pixel steps (``channel_groups=G``): step
+``s`` gives channel group ``s % G`` of pixel ``s // G``, each group contracting only the
+(tap, input channel) entries its mask keeps.
+
 ``shift`` serves the first layer of a model: at step ``p`` the newest known input is
 the one at ``p - shift`` (the pixel just sampled), and a layer whose mask never reads
 the current position (type "A") can still give its output at ``p``. Decoding the model
@@ -72,6 +77,10 @@ class DecodeSpec:
       groups: ``feature_group_count``.
       unit: ``"pixel"`` (one position per step) or ``"row"`` (2-D: one row per step).
       shift: at step ``p`` the input given is the one at position ``p - shift``.
+      channel_groups: ``G > 1`` for sub-pixel steps (channel-grouped R/G/B masks): step
+        ``s`` is channel group ``s % G`` of pixel ``s // G``.
+      group_entries: sub-pixel steps only: per output channel group, the active
+        ``(index into taps, input channels)`` pairs its outputs read.
     """
 
     mask: Mask
@@ -83,6 +92,8 @@ class DecodeSpec:
     groups: int
     unit: str
     shift: int
+    channel_groups: int = 1
+    group_entries: tuple = ()
 
     @property
     def ndim(self) -> int:
@@ -157,6 +168,7 @@ def make_decode_spec(
     feature_group_count: int = 1,
     unit: str = "pixel",
     shift: int = 0,
+    channel_groups: int | None = None,
 ) -> DecodeSpec:
     """Validates one layer's arguments (those of ``masked_conv``) for decoding.
 
@@ -169,9 +181,15 @@ def make_decode_spec(
       unit: ``"pixel"`` (1-D or 2-D) or ``"row"`` (2-D).
       shift: ``0`` (the input at ``p`` is given at step ``p``) or more (at step ``p`` the
         input at ``p - shift`` is given; the mask must not read later positions).
+      channel_groups: ``G`` for sub-pixel steps with a full, channel-grouped mask (the
+        original PixelCNN's R/G/B ordering, :func:`~maskconv_kernels.channel_grouped_mask`):
+        ``C_in`` and ``C_out`` split into ``G`` contiguous groups, and step ``s`` takes
+        input channel group ``s % G`` of pixel ``s // G`` (``(N, C_in // G)``) and gives
+        output channel group ``s % G`` there (``(N, C_out // G)``). Pixel steps only.
 
     Raises:
-      NotImplementedError: strides other than 1, 3-D layers, channel-partial (R/G/B) masks.
+      NotImplementedError: strides other than 1, 3-D layers, channel-partial (R/G/B) masks
+        without ``channel_groups``.
       ValueError: the output grid is not the input's, or an active tap reads a position
         that is not yet given when its output is due.
     """
@@ -200,11 +218,11 @@ def make_decode_spec(
         raise ValueError(f"mask has {len(window)} window dims but the spatial shape {spatial} has {ndim}")
     shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
     mask = as_mask(mask, shape if len(shape) == ndim + 2 else (*window, 1, 1))
-    if mask.partial_taps:
+    if mask.partial_taps and channel_groups is None:
         raise NotImplementedError(
             f"mask has channel-partial taps {list(mask.partial_taps)} (an R/G/B channel-grouped mask): "
-            "decoding them needs one step per channel group (sub-pixel steps), which is not implemented. "
-            "Decode with window-shaped masks, or sample such a model with full forward passes"
+            "decoding it needs one step per channel group (sub-pixel steps): pass channel_groups=G "
+            "(e.g. 3 for R, G, B)"
         )
     pads = _pads(padding, window, dilation)
     for d, ((lo, hi), k, dil) in enumerate(zip(pads, window, dilation)):
@@ -218,6 +236,9 @@ def make_decode_spec(
     if not taps:
         raise ValueError("mask has no active tap: the layer's output is its bias alone, there is nothing to decode")
     offsets = tuple(tuple(t * dil - lo for t, dil, (lo, _) in zip(tap, dilation, pads)) for tap in taps)
+    if channel_groups is not None and channel_groups != 1:
+        entries = _group_entries(mask, taps, offsets, channel_groups, unit, feature_group_count, spatial[-1], shift)
+        return DecodeSpec(mask, spatial, offsets, taps, pads, dilation, 1, unit, int(shift), channel_groups, entries)
     future = [t for t, o in zip(taps, offsets) if _reads_future(o, unit, spatial[-1], shift)]
     if future:
         hint = ""
@@ -229,6 +250,47 @@ def make_decode_spec(
             + hint
         )
     return DecodeSpec(mask, spatial, offsets, taps, pads, dilation, int(feature_group_count), unit, int(shift))
+
+
+def _group_entries(mask: Mask, taps, offsets, g: int, unit: str, groups, width, shift: int) -> tuple:
+    """Per output channel group, the ``(tap index, input channels)`` pairs it reads; checks causality.
+
+    Sub-step ``s = p * G + j`` computes output group ``j`` at pixel ``p``; the input
+    channel ``ci`` at pixel ``p + offset`` is given at sub-step ``(p + offset) * G + ci // (C_in / G)``.
+    """
+    if not isinstance(g, (int, np.integer)) or g < 1:
+        raise ValueError(f"channel_groups must be a positive int, got {g!r}")
+    if unit != "pixel" or groups != 1 or not mask.is_full:
+        raise NotImplementedError(
+            "sub-pixel steps (channel_groups > 1) need unit='pixel', feature_group_count=1 and a full mask of "
+            f"shape (*window, C_in, C_out); got unit={unit!r}, feature_group_count={groups}, mask {mask}"
+        )
+    c_in, c_out = mask.bits.shape[-2:]
+    if c_in % g or c_out % g:
+        raise ValueError(f"channel_groups={g} must divide C_in={c_in} and C_out={c_out}")
+    cig, cog = c_in // g, c_out // g
+    entries = []
+    for j in range(g):
+        group = []
+        for t, (tap, offset) in enumerate(zip(taps, offsets)):
+            bits = mask.bits[tap][:, j * cog : (j + 1) * cog]  # (C_in, C_out // G)
+            if not (bits.all(axis=1) | ~bits.any(axis=1)).all():
+                raise NotImplementedError(
+                    f"output channel group {j} reads different input channels at tap {tap} for different output "
+                    "channels: sub-pixel steps need every output channel of a group to read the same inputs"
+                )
+            cis = tuple(int(c) for c in np.flatnonzero(bits[:, 0])) if bits.size else ()
+            raster = offset[0] * width + offset[1] if len(offset) == 2 else offset[0]
+            late = [c for c in cis if raster * g + c // cig - j > -shift]
+            if late:
+                raise ValueError(
+                    f"output channel group {j} reads input channels {late} at tap {tap}, which come after its "
+                    f"sub-step (channel_groups={g}, shift={shift}): a step could not compute it from the inputs so far"
+                )
+            if cis:
+                group.append((t, cis))
+        entries.append(tuple(group))
+    return tuple(entries)
 
 
 def init_cache(spec: DecodeSpec, batch: int, c_in: int, dtype=jnp.float32) -> jax.Array:
@@ -285,8 +347,10 @@ def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Ar
     n = cache.shape[0]
     q = _positions(position, n) - spec.shift
     valid = q >= 0
-    slot = _slot(spec, jnp.maximum(q, 0))
     x = x.astype(cache.dtype)
+    if spec.channel_groups > 1:
+        return _update_group(spec, cache, x, jnp.maximum(q, 0), valid)
+    slot = _slot(spec, jnp.maximum(q, 0))
     if q.shape[0] == 1:
         # One position for the batch: a dynamic slice, not a scatter.
         starts = (0, *(i[0] for i in slot)) + (0,) * (cache.ndim - 1 - len(slot))
@@ -297,6 +361,48 @@ def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Ar
     index = (jnp.arange(n), *slot)
     keep = valid.reshape((n,) + (1,) * (x.ndim - 1))
     return cache.at[index].set(jnp.where(keep, x, cache[index]))
+
+
+def _update_group(spec: DecodeSpec, cache: jax.Array, x: jax.Array, q: jax.Array, valid: jax.Array) -> jax.Array:
+    """Sub-pixel steps: writes ``x`` ``(N, C_in // G)`` as channel group ``q % G`` of pixel ``q // G``."""
+    n, cg = cache.shape[0], cache.shape[-1] // spec.channel_groups
+    slot = _slot(spec, lax.div(q, spec.channel_groups))
+    start = lax.rem(q, spec.channel_groups) * cg
+    if q.shape[0] == 1:
+        starts = (0, *(i[0] for i in slot), start[0])
+        sizes = (n,) + (1,) * len(slot) + (cg,)
+        new = jnp.where(valid[0], x.reshape(sizes), lax.dynamic_slice(cache, starts, sizes))
+        return lax.dynamic_update_slice(cache, new, starts)
+    index = (jnp.arange(n)[:, None], *(i[:, None] for i in slot), start[:, None] + jnp.arange(cg)[None])
+    return cache.at[index].set(jnp.where(valid[:, None], x, cache[index]))
+
+
+def _group_output(spec: DecodeSpec, cache, kernel, s: jax.Array, precision) -> jax.Array:
+    """Sub-pixel steps: ``(N, C_out // G)`` float32, output group ``s % G`` at pixel ``s // G``.
+
+    Each group contracts only the (tap, input channel) entries its mask keeps; input
+    channels of the current pixel not yet given are gathered but never multiplied.
+    """
+    g = spec.channel_groups
+    values = _gather_taps(spec, cache, lax.div(jnp.maximum(s, 0), g))  # (N, T, C_in)
+    cog = kernel.shape[-1] // g
+
+    def group(j):
+        pieces = spec.group_entries[j]
+        if not pieces:
+            return jnp.zeros((cache.shape[0], cog), jnp.float32)
+        vals = jnp.concatenate([values[:, t, np.asarray(cis)] for t, cis in pieces], axis=1)  # (N, K)
+        w = jnp.concatenate(
+            [kernel[spec.taps[t]][np.asarray(cis), j * cog : (j + 1) * cog] for t, cis in pieces], axis=0
+        )  # (K, C_out // G)
+        return lax.dot_general(vals, w, (((1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+    j = lax.rem(jnp.maximum(s, 0), g)
+    if s.shape[0] == 1:
+        return lax.switch(j[0], [lambda j=j_: group(j) for j_ in range(g)])
+    # Per-example groups: every group's output, each example's chosen by index (no arithmetic).
+    return jnp.stack([group(k) for k in range(g)])[j, jnp.arange(cache.shape[0])]
 
 
 def _gather_taps(spec: DecodeSpec, cache: jax.Array, p: jax.Array) -> jax.Array:
@@ -400,6 +506,12 @@ def output(
             f"({', '.join(map(str, spec.mask.window))}, {cache.shape[-1] // spec.groups}, C_out)"
         )
     p = _positions(position, cache.shape[0])
+    if spec.channel_groups > 1:
+        y = _group_output(spec, cache, kernel, p, precision)
+        if bias is not None:
+            j = lax.rem(jnp.maximum(p, 0), spec.channel_groups)
+            y = y + bias.reshape(spec.channel_groups, -1)[j].astype(jnp.float32)
+        return y.astype(cache.dtype)
     if spec.unit == "row":
         y = _row_output(spec, cache, kernel, p, precision)
     else:

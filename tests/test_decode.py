@@ -334,6 +334,68 @@ def test_per_example_positions_in_2d(unit):
         assert_close(got[b].reshape(h, w, c_out), expected[b], np.float32, int(mask.sum()) * c_in, 1.0)
 
 
+# --------------------------------------------------------------------------- sub-pixel steps (R/G/B)
+
+
+def _sub_pixel_scan(spec, kernel, inputs, n, c_in, bias=None, per_example=False):
+    """Sub-steps ``s = p * G + j`` over a whole image; ``inputs[:, s]`` is what step ``s`` is given."""
+
+    def body(cache, s):
+        position = jnp.full((n,), s) if per_example else s  # per-example: the gather/scatter path
+        y, cache = decode.step(spec, cache, inputs[:, s], kernel, position, bias=bias)
+        return cache, y
+
+    _, ys = jax.lax.scan(body, nan_cache(spec, n, c_in), jnp.arange(inputs.shape[1]))
+    return jnp.moveaxis(ys, 0, 1)  # (N, H * W * G, C_out // G)
+
+
+@pytest.mark.parametrize("per_example", [False, True], ids=["one_position", "per_example"])
+@pytest.mark.parametrize("mask_type", ["A", "B"])
+def test_sub_pixel_steps_equal_the_full_channel_grouped_layer(mask_type, per_example):
+    n, h, w, c_in, c_out, g = 2, 4, 5, 6, 9, 3
+    mask = mk.channel_grouped_mask((5, 5), c_in, c_out, mask_type)
+    x = random(14, (n, h, w, c_in))
+    kernel = random(15, (5, 5, c_in, c_out))
+    bias = random(16, (c_out,))
+    expected = full(x, kernel, mask) + bias
+    spec = decode.make_decode_spec(mask, (h, w), channel_groups=g)
+    inputs = x.reshape(n, h * w * g, c_in // g)  # sub-step s: channel group s % G of pixel s // G
+    got = _sub_pixel_scan(spec, kernel, inputs, n, c_in, bias, per_example).reshape(n, h, w, c_out)
+    assert_close(got, expected, np.float32, 25 * c_in, 2.0)
+
+
+def test_sub_pixel_stack_type_a_then_b():
+    """The original PixelCNN's R/G/B stack: the first layer is given the previous sub-sample."""
+    n, h, w, c, g = 2, 4, 4, 6, 3
+    m1, m2 = mk.channel_grouped_mask((5, 5), 3, c, "A"), mk.channel_grouped_mask((3, 3), c, c, "B")
+    k1, k2 = random(17, (5, 5, 3, c), scale=0.3), random(18, (3, 3, c, c), scale=0.3)
+    x = random(19, (n, h, w, 3))
+    expected = np.asarray(full(jax.nn.relu(full(x, k1, m1)), k2, m2))
+    s1 = decode.make_decode_spec(m1, (h, w), channel_groups=g, shift=1)
+    s2 = decode.make_decode_spec(m2, (h, w), channel_groups=g)
+    sub = x.reshape(n, h * w * g, 1)
+    previous = jnp.concatenate([jnp.zeros_like(sub[:, :1]), sub[:, :-1]], 1)
+
+    def body(caches, s):
+        y, c1 = decode.step(s1, caches[0], previous[:, s], k1, s)
+        y, c2 = decode.step(s2, caches[1], jax.nn.relu(y), k2, s)
+        return (c1, c2), y
+
+    _, ys = jax.lax.scan(body, (nan_cache(s1, n, 3), nan_cache(s2, n, c)), jnp.arange(h * w * g))
+    got = np.asarray(jnp.moveaxis(ys, 0, 1).reshape(n, h, w, c))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=TOLERANCE[np.dtype("float32")] * np.abs(expected).max())
+
+
+def test_sub_pixel_errors():
+    mask = mk.channel_grouped_mask((3, 3), 3, 6, "B")
+    with pytest.raises(ValueError, match="sub-step"):
+        decode.make_decode_spec(mask, (8, 8), channel_groups=3, shift=1)  # type B reads the group it is given
+    with pytest.raises(NotImplementedError, match="unit='pixel'"):
+        decode.make_decode_spec(mask, (8, 8), channel_groups=3, unit="row")
+    with pytest.raises(ValueError, match="must divide"):
+        decode.make_decode_spec(mask, (8, 8), channel_groups=4)
+
+
 # --------------------------------------------------------------------------- dtypes, tracing, errors
 
 
@@ -377,7 +439,7 @@ def test_one_trace_for_every_position():
 def test_errors_say_what_is_unsupported():
     with pytest.raises(NotImplementedError, match="strides=1"):
         decode.make_decode_spec(mk.pixelcnn_mask((3, 3)), (8, 8), strides=2)
-    with pytest.raises(NotImplementedError, match="sub-pixel steps"):
+    with pytest.raises(NotImplementedError, match="channel_groups=G"):
         decode.make_decode_spec(mk.channel_grouped_mask((3, 3), 3, 6, "A"), (8, 8))
     with pytest.raises(ValueError, match="unit='row'"):
         decode.make_decode_spec(mk.vertical_stack_mask((3, 3), "B"), (8, 8))

@@ -105,6 +105,9 @@ def test_linen_decode_errors():
         MaskedConv(C, (3, 3), strides=2, mask=mk.pixelcnn_mask((3, 3)), decode=True).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="after the current position"):
         MaskedConv(C, (3, 3), mask=np.ones((3, 3)), decode=True).init(jax.random.key(0), x)
+    rgb = mk.channel_grouped_mask((3, 3), 3, 6, "A")
+    with pytest.raises(NotImplementedError, match="channel_groups=G"):
+        MaskedConv(6, (3, 3), mask=rgb, decode=True).init(jax.random.key(0), random(4, (N, H, W, 3)))
 
 
 def test_nnx_decode_equals_the_full_forward_at_every_position():
