@@ -36,8 +36,8 @@ PIXEL_CASES = {
     "vstack_3x5A": (mk.vertical_stack_mask((3, 5), "A"), {}),
     "3x3B_groups2": (mk.pixelcnn_mask((3, 3), "B"), {"feature_group_count": 2}),
 }
-# The fast tier: the largest mask, dilation and feature groups; the slow tier adds the rest.
-FAST_PIXEL_CASES = {"7x7A", "5x5B_dil2", "3x3B_groups2"}
+# The fast tier: the largest mask and a dilation; the slow tier adds the rest.
+FAST_PIXEL_CASES = {"7x7A", "5x5B_dil2"}
 
 
 @pytest.mark.parametrize(
@@ -309,7 +309,7 @@ def test_per_sequence_positions_like_cache_seqlens():
     np.testing.assert_allclose(got[late:, 1], expected[1], **tol)
 
 
-@pytest.mark.parametrize("unit", ["pixel", "row"])
+@pytest.mark.parametrize("unit", ["pixel", pytest.param("row", marks=pytest.mark.slow)])
 def test_per_example_positions_in_2d(unit):
     """The second image starts 3 steps later: per-example positions, pixel and row steps."""
     mask = mk.pixelcnn_mask((3, 3), "B") if unit == "pixel" else mk.vertical_stack_mask((3, 3), "B")
@@ -349,8 +349,16 @@ def _sub_pixel_scan(spec, kernel, inputs, n, c_in, bias=None, per_example=False)
     return jnp.moveaxis(ys, 0, 1)  # (N, H * W * G, C_out // G)
 
 
-@pytest.mark.parametrize("per_example", [False, True], ids=["one_position", "per_example"])
-@pytest.mark.parametrize("mask_type", ["A", "B"])
+@pytest.mark.parametrize(
+    "mask_type, per_example",
+    [
+        ("B", False),  # the fast tier: type A runs in the stack test below
+        pytest.param("A", False, marks=pytest.mark.slow),
+        pytest.param("A", True, marks=pytest.mark.slow),
+        pytest.param("B", True, marks=pytest.mark.slow),
+    ],
+    ids=["B_one_position", "A_one_position", "A_per_example", "B_per_example"],
+)
 def test_sub_pixel_steps_equal_the_full_channel_grouped_layer(mask_type, per_example):
     n, h, w, c_in, c_out, g = 2, 4, 5, 6, 9, 3
     mask = mk.channel_grouped_mask((5, 5), c_in, c_out, mask_type)
@@ -399,9 +407,8 @@ def test_sub_pixel_errors():
 # --------------------------------------------------------------------------- dtypes, tracing, errors
 
 
-@pytest.mark.parametrize(
-    "dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)], ids=["bf16", "f16"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_pixel_steps_in_16_bit_dtypes(dtype):
     mask = mk.pixelcnn_mask((5, 5), "B")
     n, h, w, c_in, c_out = 2, 4, 5, 8, 8
