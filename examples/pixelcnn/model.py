@@ -16,6 +16,12 @@ Each layer is gated, ``tanh(a) * sigmoid(b)``, with a residual connection on the
 horizontal stack. ``leaky=True`` builds the same network, with the same parameter
 tree, from ``flax.linen.Conv(mask=...)``: the baseline of the receptive-field picture.
 
+``decode=True`` builds it from ``MaskedConv(decode=True)`` layers for fast sampling
+(``sampling.py``): the vertical stack is computed one row at a time (``part="rows"``,
+once per row: its type "B" layers read the current row on both sides), the horizontal
+stack one pixel at a time (``part="pixel"``); the first layers are fed the previous row
+and the previous pixel (``decode_shift=1``).
+
 Needs flax and this package only (the tests import it).
 """
 from __future__ import annotations
@@ -56,25 +62,59 @@ class GatedPixelCNN(nn.Module):
     first_window: int = 5
     window: int = 3
     leaky: bool = False
+    decode: bool = False
 
-    def masked(self, features: int, mask: np.ndarray, c_in: int, name: str):
+    def masked(self, features: int, mask: np.ndarray, c_in: int, name: str, first: bool = False):
         if self.leaky:
             # What flax users write today: the kernel-shaped mask multiplies the kernel.
             full = np.broadcast_to(mask[..., None, None], (*mask.shape, c_in, features))
             return nn.Conv(features, mask.shape, mask=full, name=name)
-        return MaskedConv(features, mask.shape, mask=mask, name=name)
+        return MaskedConv(features, mask.shape, mask=mask, name=name, decode=self.decode, decode_shift=int(first))
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, part: str = "all", v_pre: tuple | None = None):
+        """The logits, or (``decode=True``) one row or one pixel of the network.
+
+        Args:
+          x: ``part="all"``: the image ``(N, H, W, 1)``; ``"rows"``: the previous row
+            ``(N, 1, W, 1)``; ``"pixel"``: the previous pixel ``(N, 1, 1, 1)``.
+          part: ``"all"``, ``"rows"`` (the vertical stack for the current row) or
+            ``"pixel"`` (the horizontal stack and head at the current pixel).
+          v_pre: ``part="pixel"`` only: the vertical stack's pre-activations at the
+            current pixel, one ``(N, 1, 1, 2 * features)`` per layer.
+
+        Returns:
+          ``"all"``: ``(N, H, W, levels)`` logits; ``"rows"``: the vertical stack's
+          pre-activations, one ``(N, 1, W, 2 * features)`` per layer; ``"pixel"``:
+          ``(N, 1, 1, levels)`` logits.
+        """
+        if part == "rows":
+            return self.vertical(x)
+        if part == "pixel":
+            return self.horizontal(x, v_pre)
+        return self.horizontal(x, self.vertical(x))
+
+    def window_of(self, i: int) -> int:
+        return self.first_window if i == 0 else self.window
+
+    def vertical(self, v: jax.Array) -> tuple:
+        """The vertical stack's pre-activations, one per layer."""
+        pres = []
+        for i in range(self.layers):
+            mask = vertical_mask(self.window_of(i), i == 0)
+            v_pre = self.masked(2 * self.features, mask, v.shape[-1], f"v{i}", first=i == 0)(v)
+            pres.append(v_pre)
+            v = gate(v_pre)
+        return tuple(pres)
+
+    def horizontal(self, h: jax.Array, v_pre: tuple) -> jax.Array:
+        """The horizontal stack, fed the vertical stack at the same position, then the head."""
         f = self.features
-        v = h = x
         for i in range(self.layers):
             first = i == 0
-            k = self.first_window if first else self.window
-            v_pre = self.masked(2 * f, vertical_mask(k, first), v.shape[-1], f"v{i}")(v)
-            h_pre = self.masked(2 * f, horizontal_mask(k, first), h.shape[-1], f"h{i}")(h)
-            h_pre = h_pre + nn.Conv(2 * f, (1, 1), name=f"v_to_h{i}")(v_pre)
-            v = gate(v_pre)
+            mask = horizontal_mask(self.window_of(i), first)
+            h_pre = self.masked(2 * f, mask, h.shape[-1], f"h{i}", first=first)(h)
+            h_pre = h_pre + nn.Conv(2 * f, (1, 1), name=f"v_to_h{i}")(v_pre[i])
             h_out = nn.Conv(f, (1, 1), name=f"h_out{i}")(gate(h_pre))
             h = h_out if first else h + h_out
         y = nn.Conv(4 * f, (1, 1), name="head0")(nn.relu(h))

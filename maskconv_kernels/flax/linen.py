@@ -19,7 +19,7 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import PaddingLike, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from maskconv_kernels.flax import _conv
+from maskconv_kernels.flax import _conv, _decode
 
 __all__ = ["MaskedConv"]
 
@@ -70,6 +70,15 @@ class MaskedConv(nn.Module):
       promote_dtype: ``(inputs, kernel, bias, dtype=...) -> (inputs, kernel, bias)``.
       implementation: ``None`` (best backend for the platform) or one of
         :data:`maskconv_kernels.IMPLEMENTATIONS`.
+      decode: autoregressive decoding, as ``nn.MultiHeadDotProductAttention(decode=True)``:
+        ``init`` with a full-size input allocates a ``"cache"`` collection (sized from the
+        mask's active taps; see :mod:`maskconv_kernels.decode`), then each
+        ``apply(..., mutable=["cache"])`` consumes one position in raster order: an input
+        ``(N, 1, 1, C_in)`` (one pixel; ``(N, 1, C_in)`` in 1-D) or ``(N, 1, W, C_in)`` (one
+        row) gives the output there. Stride 1 only.
+      decode_shift: in decode mode, the input given at position ``p`` is the one at
+        ``p - decode_shift`` (``1`` for a model's first, type "A", layer: it is fed the
+        previous sample).
 
     ``nn.Conv``'s deprecated ``conv_general_dilated`` and ``conv_general_dilated_cls``
     fields are absent: the convolution is what this module replaces.
@@ -91,6 +100,9 @@ class MaskedConv(nn.Module):
     bias_init: Initializer = nn.initializers.zeros_init()
     promote_dtype: Any = promote_dtype
     implementation: str | None = None
+    # Autoregressive decoding (maskconv_kernels/flax/_decode.py).
+    decode: bool = False
+    decode_shift: int = 0
 
     def __post_init__(self):
         # A linen module is a dataclass hashed and compared by its fields (clone, nn.jit,
@@ -119,6 +131,10 @@ class MaskedConv(nn.Module):
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if self.decode and self.has_variable("cache", "cached_input"):
+            return self._decode_step(inputs, kernel, bias)
+        if self.decode:
+            self._allocate_cache(inputs, kernel.shape)
         return _conv.conv(
             inputs,
             kernel,
@@ -132,3 +148,31 @@ class MaskedConv(nn.Module):
             implementation=self.implementation,
             bias=bias,
         )
+
+    # ------------------------------------------------------------------ decode=True
+
+    def _decode_fields(self) -> dict:
+        return dict(
+            shift=self.decode_shift, strides=self.strides, padding=self.padding,
+            input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation,
+            feature_group_count=self.feature_group_count,
+        )
+
+    def _allocate_cache(self, inputs: jax.Array, kernel_shape) -> None:
+        """At ``init``: the ``"cache"`` collection for a full-size ``(N, *spatial, C_in)`` input."""
+        spec = _decode.init_spec(self.mask, kernel_shape, inputs.shape[1:-1], **self._decode_fields())
+        self.variable("cache", "cached_input", jnp.zeros, _decode.cache_shape(inputs.shape, spec), inputs.dtype)
+        self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+
+    def _decode_step(self, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """One position (see ``decode``): updates the cache, returns the output there."""
+        cached = self.variable("cache", "cached_input")
+        index = self.variable("cache", "cache_index")
+        unit = _decode.unit_of(inputs.shape, cached.value.shape)
+        spatial = (None, cached.value.shape[2]) if cached.value.ndim == 4 else (None,)
+        spec = _decode.decode_spec(self.mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
+        y, cached.value, index.value = _decode.step(
+            inputs, kernel, bias, cached.value, index.value, spec,
+            precision=self.precision,
+        )
+        return y

@@ -16,7 +16,7 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
-from maskconv_kernels.flax import _conv
+from maskconv_kernels.flax import _conv, _decode
 from maskconv_kernels.masks import as_mask
 
 __all__ = ["MaskedConv"]
@@ -52,6 +52,13 @@ class MaskedConv(nnx.Module):
         ``None`` makes every tap active.
       implementation: ``None`` (best backend for the platform) or one of
         :data:`maskconv_kernels.IMPLEMENTATIONS`.
+      decode: autoregressive decoding, as ``nnx.MultiHeadAttention(decode=True)``:
+        :meth:`init_cache` with a full-size input shape allocates ``nnx.Cache`` state (sized
+        from the mask's active taps; see :mod:`maskconv_kernels.decode`), then each call
+        consumes one position in raster order: ``(N, 1, 1, in_features)`` (one pixel;
+        ``(N, 1, in_features)`` in 1-D) or ``(N, 1, W, in_features)`` (one row). Stride 1.
+      decode_shift: in decode mode, the input given at position ``p`` is the one at
+        ``p - decode_shift`` (``1`` for a model's first, type "A", layer).
 
     ``nnx.Conv``'s ``conv_general_dilated`` argument is absent: the convolution is what
     this module replaces.
@@ -81,6 +88,8 @@ class MaskedConv(nnx.Module):
         rngs: nnx.Rngs,
         kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
         bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+        decode: bool = False,
+        decode_shift: int = 0,
     ):
         kernel_size = _conv.kernel_size_tuple(kernel_size)
         if in_features % feature_group_count:
@@ -112,14 +121,56 @@ class MaskedConv(nnx.Module):
         self.promote_dtype = promote_dtype
         self.preferred_element_type = preferred_element_type
         self.implementation = implementation
+        # Autoregressive decoding (maskconv_kernels/flax/_decode.py); init_cache allocates.
+        self.decode = decode
+        self.decode_shift = decode_shift
+        self.cached_input: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
 
-    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    def _decode_fields(self) -> dict:
+        return dict(
+            shift=self.decode_shift, strides=self.strides, padding=self.padding,
+            input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation,
+            feature_group_count=self.feature_group_count,
+        )
+
+    def init_cache(self, input_shape: tp.Sequence[int], dtype=jnp.float32) -> None:
+        """Allocates the decode cache for full-size inputs of ``input_shape`` ``(N, *spatial, in_features)``.
+
+        Call it before decoding, as ``nnx.MultiHeadAttention.init_cache``; calling it again
+        starts a new sequence.
+        """
+        spec = _decode.init_spec(self.mask, self.kernel_shape, tuple(input_shape[1:-1]), **self._decode_fields())
+        self.cached_input = nnx.Cache(jnp.zeros(_decode.cache_shape(tuple(input_shape), spec), dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def _decode_step(self, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
+        if self.cached_input is None or self.cache_index is None:
+            raise ValueError("decode cache not initialized: call init_cache(input_shape) first")
+        if self.preferred_element_type is not None:
+            raise NotImplementedError(
+                "decode=True gives outputs in the cache's dtype; preferred_element_type is not supported there"
+            )
+        cached = self.cached_input[...]
+        unit = _decode.unit_of(inputs.shape, cached.shape)
+        spatial = (None, cached.shape[2]) if cached.ndim == 4 else (None,)
+        spec = _decode.decode_spec(self.mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
+        y, cached, index = _decode.step(
+            inputs, kernel, bias, cached, self.cache_index[...], spec,
+            precision=self.precision,
+        )
+        self.cached_input[...] = cached
+        self.cache_index[...] = index
+        return y
+
+    def __call__(self, inputs: jax.Array, out_sharding=None, *, decode: bool | None = None) -> jax.Array:
         """Applies the masked convolution.
 
         Args:
           inputs: ``(*batch_dims, *spatial, in_features)``; several batch dims are
             flattened and restored, none is allowed (single example), as in ``nnx.Conv``.
           out_sharding: only ``None``; explicit output sharding is not supported yet.
+          decode: overrides the module's ``decode`` for this call.
 
         Returns:
           ``(*batch_dims, *out_spatial, out_features)``.
@@ -137,6 +188,8 @@ class MaskedConv(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        if self.decode if decode is None else decode:
+            return self._decode_step(inputs, kernel, bias)
         return _conv.conv(
             inputs,
             kernel,
