@@ -37,10 +37,10 @@ class UnshiftedGatedPixelCNN(GatedPixelCNN):
     so the horizontal stack, which adds it, sees the pixels right of the centre and the
     centre itself. Same parameter tree as :class:`GatedPixelCNN`."""
 
-    def masked(self, features: int, mask: np.ndarray, c_in: int, name: str):
+    def masked(self, features: int, mask: np.ndarray, c_in: int, name: str, first: bool = False):
         if name == "v0":
             mask = vertical_mask(mask.shape[0], first=False)
-        return super().masked(features, mask, c_in, name)
+        return super().masked(features, mask, c_in, name, first=first)
 
 
 def main(argv=None) -> int:
