@@ -101,40 +101,67 @@ def _leaky(x, k, mask=M):
     return mk.leaky_masked_conv(x, k, mask, precision="highest")
 
 
-def _close(a, b, tol=1e-4):
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(u, np.float64), np.asarray(v, np.float64), rtol=tol, atol=tol)
+def _float64(fn, *args):
+    """``fn(*args)`` with every array argument in float64: the reference of a transform."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(a, jnp.float64) for a in args]
+        return jax.tree.map(np.asarray, fn(*args))
+
+
+# Like the rest of the suite, the float32 results below are compared with the same
+# transform of the leaky baseline in float64 (not with its float32 run), under the
+# float32 bound of conftest.TOLERANCE: sqrt(reduction) x the largest sum of |terms|,
+# which is the same linear map applied to |x|, |k| and |tangent|.
+C_IN, C_OUT = TINY_K[-2], TINY_K[-1]
+PIXELS = int(np.prod(TINY_X[:-1]))
 
 
 def test_jvp_matches_the_leaky_baseline(conv):
     x, k = _tiny()
     tx, tk = random(7, TINY_X), random(8, TINY_K)
-    f = lambda x, k: jnp.sin(conv(x, k, M))
-    g = lambda x, k: jnp.sin(_leaky(x, k))
-    _close(jax.jvp(f, (x, k), (tx, tk)), jax.jvp(g, (x, k), (tx, tk)))
+    y, ty = jax.jvp(lambda x, k: jnp.sin(conv(x, k, M)), (x, k), (tx, tk))
+    y_ref, ty_ref = _float64(lambda *a: jax.jvp(lambda x, k: jnp.sin(_leaky(x, k)), a[:2], a[2:]), x, k, tx, tk)
+    primal = _float64(_leaky, jnp.abs(x), jnp.abs(k)).max()
+    tangent = _float64(lambda *a: _leaky(a[0], a[3]) + _leaky(a[2], a[1]), *map(jnp.abs, (x, k, tx, tk))).max()
+    assert_close(y, y_ref, np.float32, TAPS * C_IN, primal)
+    # cos(y) carries y's rounding (|cos'| <= 1) into the tangent.
+    assert_close(ty, ty_ref, np.float32, 2 * TAPS * C_IN, tangent * max(1.0, primal))
 
 
 def test_jacfwd_and_jacrev_match_the_leaky_baseline(conv):
+    # Each Jacobian entry is one kernel or input value (one tap joins an input and an output pixel).
     x, k = _tiny()
     f = lambda x, k: conv(x, k, M)
+    expected = _float64(jax.jacfwd(_leaky, (0, 1)), x, k)
     for jac in (jax.jacfwd, jax.jacrev):
-        _close(jax.jit(jac(f, (0, 1)))(x, k), jac(_leaky, (0, 1))(x, k))
+        for got, ref, scale in zip(jax.jit(jac(f, (0, 1)))(x, k), expected, (_scale(k), _scale(x))):
+            assert_close(got, ref, np.float32, 1, scale)
 
 
 def test_hessian_matches_the_leaky_baseline(conv):
     x, k = _tiny()
     loss = lambda f: (lambda x, k: jnp.sum(jnp.tanh(f(x, k, M)) ** 2))
-    _close(jax.jit(jax.hessian(loss(conv), 1))(x, k), jax.hessian(loss(_leaky), 1)(x, k))
+    expected = _float64(jax.hessian(loss(_leaky), 1), x, k)
+    # H = J^T diag(g''(y)) J with g = tanh^2, |g''| <= 2: the sum of |terms| is at most the
+    # Hessian of sum(conv(|x|, k)^2), 2 J^T J on |x|; y's own rounding reaches g'' too.
+    magnitude = _float64(jax.hessian(lambda x, k: jnp.sum(_leaky(x, k) ** 2), 1), jnp.abs(x), k).max()
+    got = jax.jit(jax.hessian(loss(conv), 1))(x, k)
+    assert_close(got, expected, np.float32, TAPS * C_IN + PIXELS, magnitude * max(1.0, 2 * _scale(x) * _scale(k)))
 
 
 def test_linearize_and_its_transpose_match_the_leaky_baseline(conv):
     x, k = _tiny()
     tx, tk = random(7, TINY_X), random(8, TINY_K)
     y, f_lin = jax.linearize(lambda x, k: conv(x, k, M), x, k)
-    y_ref, g_lin = jax.linearize(_leaky, x, k)
-    _close((y, f_lin(tx, tk)), (y_ref, g_lin(tx, tk)))
+    y_ref, ty_ref = _float64(lambda *a: jax.jvp(_leaky, a[:2], a[2:]), x, k, tx, tk)
+    assert_close(y, y_ref, np.float32, TAPS * C_IN, _scale(x) * _scale(k))
+    tangent = _scale(tx) * _scale(k) + _scale(x) * _scale(tk)
+    assert_close(f_lin(tx, tk), ty_ref, np.float32, 2 * TAPS * C_IN, tangent)
     dy = random(9, y.shape)
-    _close(jax.linear_transpose(f_lin, x, k)(dy), jax.linear_transpose(g_lin, x, k)(dy))
+    dx, dk = jax.linear_transpose(f_lin, x, k)(dy)
+    rdx, rdk = masked_conv_reference_vjp(x, k, M, dy)
+    assert_close(dx, rdx, np.float32, TAPS * C_OUT, _scale(dy) * _scale(k))
+    assert_close(dk, rdk, np.float32, PIXELS, _scale(dy) * _scale(x))
 
 
 def test_forward_mode_keeps_the_exactness_contract(conv):
@@ -160,5 +187,6 @@ def test_vmap_of_jvp_over_kernels(conv):
     ks = jnp.stack([k, -0.5 * k])
     tks = jnp.stack([k, k])
     f = lambda k, tk: jax.jvp(lambda k: conv(x, k, M), (k,), (tk,))[1]
-    g = lambda k, tk: jax.jvp(lambda k: _leaky(x, k), (k,), (tk,))[1]
-    _close(jax.vmap(f)(ks, tks), jax.vmap(g)(ks, tks))
+    got = jax.vmap(f)(ks, tks)
+    for i in range(2):  # the tangent is conv(x, tk): linear in tk
+        assert_close(got[i], masked_conv_reference(x, tks[i], M), np.float32, TAPS * C_IN, _scale(x) * _scale(tks[i]))
