@@ -84,7 +84,11 @@ BACKENDS: dict[str, Backend] = {
         ),
         # triton.jit kernels launched through jax-triton.
         Backend("triton", "maskconv_kernels.triton", "maskconv_kernels.triton.config:Configs", host_interpret=True),
-        # Room for "pallas_mosaic_gpu": Pallas kernels lowered through Mosaic GPU (Hopper).
+        # Pallas kernels lowered through Mosaic GPU (plgpu.kernel, TMA, wgmma), for Hopper.
+        Backend(
+            "pallas_mosaic_gpu", "maskconv_kernels.mosaic_gpu", "maskconv_kernels.mosaic_gpu.config:Tiles",
+            host_interpret=True,
+        ),
     )
 }
 IMPLEMENTATIONS = tuple(BACKENDS)

@@ -47,6 +47,7 @@ class ConvSpec:
     precision: lax.Precision | tuple | None
     out_dtype: np.dtype
     acc_dtype: np.dtype
+    dtype: np.dtype  # of x and kernel
 
     @property
     def window(self) -> tuple[int, ...]:
@@ -233,7 +234,8 @@ def make_spec(
     out_dtype = x_dtype if preferred_element_type is None else _float_dtype("preferred_element_type must be", preferred_element_type)
     acc_dtype = np.dtype(jnp.promote_types(jnp.float32, x_dtype))
     spec = ConvSpec(
-        mask, in_spatial, c_in, c_out, strides, pads, dilation, int(groups), _precision(precision), out_dtype, acc_dtype
+        mask, in_spatial, c_in, c_out, strides, pads, dilation, int(groups), _precision(precision), out_dtype, acc_dtype,
+        x_dtype,
     )
     if any(n < 1 for n in spec.out_spatial):
         raise ValueError(

@@ -1,0 +1,84 @@
+"""Tile sizes of the Mosaic GPU kernels: one frozen, validated config and one heuristic.
+
+The kernels are implicit GEMMs over a padded pixel grid (:mod:`.grid`):
+
+* forward and input gradient (:func:`.kernels.tap_gemm`): tiles of ``tile_pixels``
+  output pixels (the wgmma M dimension) by ``tile_n`` output channels; the reduction runs
+  over the active taps times ``block_k`` channels, one TMA box per step;
+* weight gradient (:func:`.kernels.tap_weight_grad`): per active tap, tiles of 64 input
+  channels by ``tile_n`` output channels, reduced over pixels one grid row chunk per
+  step, split ``weight_grad_splits`` ways (partial sums added in a fixed order).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..hardware import SM_COUNT
+from ..spec import ConvSpec
+
+__all__ = ["Tiles"]
+
+_PIXEL_TILES = (64, 128)  # wgmma's M is 64 per warpgroup instruction; 128 is two
+_BLOCK_K = (16, 32, 64)  # 16-bit channels: 32, 64 or 128 bytes, one swizzle span
+_TILE_N = (16, 32, 64, 128, 256)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and pipelining of the ``pallas_mosaic_gpu`` kernels.
+
+    Attributes:
+      tile_pixels: output pixels per forward / input-gradient tile: 64 or 128.
+      tile_n: output channels per tile (input channels for the input gradient): 16 to 256,
+        a power of two; the weight gradient's output-channel tile too.
+      block_k: channels per reduction step (one TMA box of ``tile_pixels x block_k``): 16,
+        32 or 64.
+      max_concurrent_steps: TMA boxes in flight per program (pipeline stages), 1 to 8.
+      weight_grad_splits: how many ranges the weight gradient's pixel reduction is split
+        into; ``None``: enough programs for every SM.
+    """
+
+    tile_pixels: int = 64
+    tile_n: int = 64
+    block_k: int = 64
+    max_concurrent_steps: int = 3
+    weight_grad_splits: int | None = None
+
+    def __post_init__(self):
+        for field, allowed in (("tile_pixels", _PIXEL_TILES), ("tile_n", _TILE_N), ("block_k", _BLOCK_K)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or value not in allowed:
+                raise ValueError(f"Tiles.{field} must be one of {allowed}, got {value!r}")
+        steps = self.max_concurrent_steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 8:
+            raise ValueError(f"Tiles.max_concurrent_steps must be an int from 1 to 8, got {steps!r}")
+        splits = self.weight_grad_splits
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1):
+            raise ValueError(f"Tiles.weight_grad_splits must be None or a positive int, got {splits!r}")
+
+    @classmethod
+    def get_default(cls, spec: ConvSpec, dtype=None) -> Tiles:
+        """Channel tiles that fit the channel counts (C=3 pads to 16, not 64); 128-pixel tiles
+        once channels are wide enough that a 64-pixel tile would reload its weights too often."""
+        del dtype  # 16-bit only: one heuristic
+        c_max = max(spec.c_in, spec.c_out)
+        return cls(
+            tile_pixels=128 if c_max >= 128 else 64,
+            tile_n=min(128, _next_pow2(max(spec.c_out, 16))),
+            block_k=min(64, _next_pow2(max(spec.c_in, 16))),
+        )
+
+
+def weight_grad_splits(tiles: Tiles, programs: int, steps: int) -> int:
+    """Splits of the weight gradient's reduction: fill every SM about twice, each split at
+    least 8 reduction steps (its partial sums are float32 ``[T, C_in, C_out]``)."""
+    if tiles.weight_grad_splits is not None:
+        return max(1, min(tiles.weight_grad_splits, steps))
+    wanted = -(-2 * SM_COUNT // max(programs, 1))
+    return max(1, min(wanted, steps // 8))

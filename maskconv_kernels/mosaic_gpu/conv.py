@@ -1,0 +1,158 @@
+"""The ``pallas_mosaic_gpu`` backend: what it supports and its three kernels.
+
+Everything around the kernels (the 1-D lift, transposes and JVPs, batching, the choice
+at lowering time, batch partitioning, the weight gradient's split sum and scatter) is
+:mod:`maskconv_kernels.core`, shared by every backend.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..problem import kernel_problem
+from ..spec import ConvSpec
+from . import grid as _grid
+from . import kernels
+from .config import Tiles, weight_grad_splits
+
+__all__ = ["unsupported", "forward", "input_grad", "weight_grad"]
+
+_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+_INT32_LIMIT = 2**31
+_MIN_JAX = (0, 11)
+
+
+def _jax_version() -> tuple[int, ...]:
+    return tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
+    """Why the Mosaic GPU kernels cannot run ``spec`` lowered for ``platform`` (``None`` when they can).
+
+    ``platform``: a lowering platform (``"cuda"``), or ``None`` to ask about the problem alone.
+    """
+    if _jax_version() < _MIN_JAX:
+        return (
+            f"jax {jax.__version__}: the Mosaic GPU kernels need jax >= 0.11 (plgpu.kernel's pipelines and, "
+            "off a GPU, its interpreter)"
+        )
+    if spec.ndim == 3:
+        return "3-D convolutions (the Mosaic GPU kernels are 1-D and 2-D; implementation=None uses another backend)"
+    if spec.groups > 1:
+        return f"feature_group_count={spec.groups} (grouped convolutions)"
+    if np.dtype(spec.dtype) not in _DTYPES:
+        return (
+            f"{spec.dtype} inputs: the kernels take bfloat16 and float16 (wgmma's float32 mode is TF32 with "
+            "K-major operands only, which the pixel-major weight gradient is not; float32 goes to pallas_triton "
+            "or xla, which honour precision)"
+        )
+    if any(s != 1 for s in spec.strides):
+        return f"strides={spec.strides} (the kernels' shifted GEMMs are stride 1)"
+    if any(t.in_channels is not None or t.out_channels is not None for t in spec.mask.terms):
+        return "channel-partial masks (per-channel-group taps, e.g. PixelCNN's RGB masks)"
+    if interpret or platform is None:
+        return None
+    if platform not in ("cuda", "gpu"):
+        return (
+            f'platform "{platform}": the kernels lower through Mosaic GPU for NVIDIA Hopper '
+            "(pass interpret=True to run them in Mosaic GPU's interpreter)"
+        )
+    return None
+
+
+def _tiles(job) -> Tiles:
+    return job.config if job.config is not None else Tiles.get_default(job.spec, job.dtype)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _check_size(rows: int):
+    if rows >= _INT32_LIMIT:
+        raise NotImplementedError(
+            f'implementation="pallas_mosaic_gpu" does not support this problem: {rows} grid rows do not fit '
+            "an int32 index; split the batch"
+        )
+
+
+def _tap_weights(k, taps, transpose: bool, k_pad: int, n_pad: int):
+    """``[T * k_pad, n_pad]``: the active taps' ``[C_in, C_out]`` (``[C_out, C_in]`` transposed), zero-padded."""
+    w = jnp.stack([k[i, j] for i, j in taps])
+    if transpose:
+        w = jnp.swapaxes(w, 1, 2)
+    w = jnp.pad(w, ((0, 0), (0, k_pad - w.shape[1]), (0, n_pad - w.shape[2])))
+    return w.reshape(len(taps) * k_pad, n_pad)
+
+
+def _tap_conv(a, k, job, out_dtype, g: _grid.Grid, transpose: bool, name: str):
+    """The forward (``transpose=False``) or the input gradient on the grid ``g``."""
+    t = _tiles(job)
+    batch, c_a = a.shape[0], a.shape[-1]
+    c_out = k.shape[2] if transpose else k.shape[3]
+    k_pad, n_pad = _round_up(c_a, t.block_k), _round_up(c_out, t.tile_n)
+    _check_size(batch * g.image_rows)
+    copies = _grid.copies(a, g, k_pad, tail=t.tile_pixels)
+    w = _tap_weights(k.astype(a.dtype), job.problem.taps, transpose, k_pad, n_pad)
+    out = kernels.tap_gemm(copies, w, g, t, batch, out_dtype, interpret=job.interpret, name=name)
+    per_image = out.shape[0] // batch
+    return _grid.crop(out, g, batch, per_image, c_out)
+
+
+def _host_when_interpreted(kernel):
+    """Runs ``kernel`` behind ``jax.pure_callback`` in interpret mode.
+
+    Mosaic GPU's interpreter carries an ordered IO effect, which a primitive's lowering
+    (``mlir.lower_fun`` in the core) cannot thread; on the host, in its own jit, it can.
+    Compiled kernels are called directly.
+    """
+
+    @functools.wraps(kernel)
+    def run(a, b, job, out_dtype):
+        if not job.interpret:
+            return kernel(a, b, job, out_dtype)
+        compiled = _interpreted(kernel, job, np.dtype(out_dtype))
+        out = jax.eval_shape(compiled, a, b)
+        return jax.pure_callback(lambda a, b: np.asarray(compiled(a, b)), out, a, b)
+
+    return run
+
+
+@functools.lru_cache(maxsize=256)
+def _interpreted(kernel, job, out_dtype):
+    return jax.jit(lambda a, b: kernel(a, b, job, out_dtype))
+
+
+# The three kernels the core (maskconv_kernels.core) lowers, on the 2-D problem.
+
+
+@_host_when_interpreted
+def forward(x, k, job, out_dtype):
+    """``y: [N, OH, OW, C_out]`` from ``x: [N, H, W, C_in]``, ``k: [KH, KW, C_in, C_out]``."""
+    return _tap_conv(x, k, job, out_dtype, _grid.forward_grid(job.problem), False, "maskconv_mgpu_forward")
+
+
+@_host_when_interpreted
+def input_grad(dy, k, job, out_dtype):
+    """``dx: [N, H, W, C_in]`` from ``dy: [N, OH, OW, C_out]``: the transpose of :func:`forward` in ``x``."""
+    return _tap_conv(dy, k, job, out_dtype, _grid.input_grad_grid(job.problem), True, "maskconv_mgpu_input_grad")
+
+
+@_host_when_interpreted
+def weight_grad(x, dy, job, out_dtype):
+    """``[splits, T, C_in, C_out]`` float32: partial weight gradients of the active taps only."""
+    del out_dtype  # the core casts the ordered sum
+    t, p = _tiles(job), job.problem
+    batch = x.shape[0]
+    g = _grid.weight_grad_grid(p)
+    _check_size(batch * g.image_rows)
+    ci_pad, co_pad = _round_up(p.c_in, 64), _round_up(p.c_out, t.tile_n)
+    copies = _grid.copies(x, g, ci_pad, tail=0)
+    rows = _grid.rows_of(dy.astype(x.dtype), g, co_pad)
+    chunks = batch * g.out_hw[0] * g.width // g.chunk
+    splits = weight_grad_splits(t, len(p.taps) * (ci_pad // 64) * (co_pad // t.tile_n), chunks)
+    parts = kernels.tap_weight_grad(copies, rows, g, t, batch, splits, interpret=job.interpret)
+    return parts[:, :, : p.c_in, : p.c_out]

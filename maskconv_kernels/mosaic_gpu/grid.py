@@ -1,0 +1,170 @@
+"""The padded pixel grid the Mosaic GPU kernels run over (pure JAX, no kernels).
+
+A stride-1 masked convolution is a sum of shifted GEMMs: output pixel ``(oh, ow)`` of tap
+``t`` reads operand pixel ``(oh + rows[t] + row0, ow + cols[t] + col0)`` with
+``rows[t], cols[t] >= 0``. Laid out on a grid ``Wp`` pixels wide, that is the operand's
+flat row ``r + rows[t] * Wp + cols[t]`` for output flat row ``r``: one 2-D TMA box per
+(active tap, channel block), no gather. Masked taps have no box at all.
+
+TMA boxes into wgmma's tiled shared memory must start on a multiple of 8 rows. ``Wp`` is a
+multiple of 8, so ``rows[t] * Wp`` always is; the column offsets ``cols[t]`` are not, so
+the operand is materialised once per distinct column offset ``c`` (``copies[d][r] =
+grid[r + c]``, zero in the columns past the output's width), and tap ``t`` reads copy
+``d(t)`` at ``r + rows[t] * Wp``: every box starts on a multiple of 8. A 3x3 type-B mask
+makes 3 copies, a 7x7 type-A mask 7, a WaveNet tap pair 2.
+
+Outputs computed at the grid's extra columns (``Wp`` past the output's width) are
+discarded; the copies are zero there, which the weight gradient relies on: it reduces
+over whole grid rows, and a product of a zero operand column with a zero cotangent is
+zero, never ``0 * nan``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..problem import KernelProblem
+
+__all__ = ["Grid", "forward_grid", "weight_grad_grid", "input_grad_grid", "copies", "crop", "rows_of"]
+
+
+# wgmma's K, for operands that are not K-major (both of the weight gradient's: pixels are
+# their major dimension), is a multiple of 64 with 128-byte swizzling.
+_CHUNK = 64
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """One shifted-GEMM problem on a padded grid (static, hashable).
+
+    Attributes:
+      in_hw: the operand's spatial shape ``(H_a, W_a)``.
+      out_hw: the result's valid spatial shape ``(H_o, W_o)``.
+      origin: operand pixel of grid pixel ``(0, 0)``: ``(row0, col0)`` (negative: zero padding).
+      height: grid rows per image (``H_o`` plus the largest row offset).
+      width: grid columns ``Wp``: at least ``W_o`` plus the largest column offset, a
+        multiple of ``align``.
+      rows: per active tap, its row offset (grid rows).
+      cols: per active tap, its column offset (pixels).
+      align: what ``width`` is a multiple of (8: TMA into tiled shared memory; the weight
+        gradient also needs whole reduction chunks).
+    """
+
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    origin: tuple[int, int]
+    height: int
+    width: int
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    align: int
+
+    @property
+    def distinct_cols(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.cols)))
+
+    @property
+    def copy_index(self) -> tuple[int, ...]:
+        """Per active tap, which copy it reads."""
+        index = {c: i for i, c in enumerate(self.distinct_cols)}
+        return tuple(index[c] for c in self.cols)
+
+    @property
+    def chunk(self) -> int:
+        """Pixels per weight-gradient reduction step: 128 or 64, dividing the valid rows ``H_o * Wp``."""
+        valid = self.out_hw[0] * self.width
+        return 2 * _CHUNK if valid % (2 * _CHUNK) == 0 else _CHUNK
+
+    @property
+    def image_rows(self) -> int:
+        """Flat grid rows per image."""
+        return self.height * self.width
+
+    def shifts(self) -> tuple[int, ...]:
+        """Per active tap, its row shift within its copy (a multiple of 8)."""
+        return tuple(r * self.width for r in self.rows)
+
+
+def _grid(p: KernelProblem, in_hw, out_hw, origin, rows, cols, align: int) -> Grid:
+    width = out_hw[1] + max(cols)
+    return Grid(
+        in_hw=tuple(in_hw), out_hw=tuple(out_hw), origin=tuple(origin),
+        height=out_hw[0] + max(rows), width=_round_up(width, align),
+        rows=tuple(rows), cols=tuple(cols), align=align,
+    )
+
+
+def forward_grid(p: KernelProblem, align: int = 8) -> Grid:
+    """``y[oh, ow] = sum_t x[oh + th*dh - pad_h, ow + tw*dw - pad_w] @ k[t]`` as a grid over ``x``."""
+    (dh, dw), (ph, pw) = p.dilation, p.pad_lo
+    th0, tw0 = min(t[0] for t in p.taps), min(t[1] for t in p.taps)
+    return _grid(
+        p, p.in_hw, p.out_hw, (th0 * dh - ph, tw0 * dw - pw),
+        [(th - th0) * dh for th, _ in p.taps], [(tw - tw0) * dw for _, tw in p.taps], align,
+    )
+
+
+def weight_grad_grid(p: KernelProblem) -> Grid:
+    """The forward grid, ``Wp`` such that whole 64-pixel chunks tile an image's valid rows.
+
+    The weight gradient reduces over the valid rows ``[0, H_o * Wp)`` of each image and
+    no further: past them the copies hold real pixels (other taps' rows) that a chunk
+    would multiply by a zero cotangent, and ``0 * nan`` is not zero.
+    """
+    return forward_grid(p, align=math.lcm(8, _CHUNK // math.gcd(p.out_hw[0], _CHUNK)))
+
+
+def input_grad_grid(p: KernelProblem, align: int = 8) -> Grid:
+    """``dx[ih, iw] = sum_t dy[ih - th*dh + pad_h, iw - tw*dw + pad_w] @ k[t]^T`` as a grid over ``dy``."""
+    (dh, dw), (ph, pw) = p.dilation, p.pad_lo
+    th1, tw1 = max(t[0] for t in p.taps), max(t[1] for t in p.taps)
+    return _grid(
+        p, p.out_hw, p.in_hw, (ph - th1 * dh, pw - tw1 * dw),
+        [(th1 - th) * dh for th, _ in p.taps], [(tw1 - tw) * dw for _, tw in p.taps], align,
+    )
+
+
+def copies(a: jax.Array, g: Grid, channels: int, tail: int) -> jax.Array:
+    """``[D, N * height * width + tail, channels]``: the operand on the grid, once per distinct column offset.
+
+    ``a: [N, H_a, W_a, C]``. Copy ``d`` holds grid pixel ``(i, j + cols_d)`` at ``(i, j)``
+    for ``j < W_o``, zeros elsewhere (the grid's extra columns, padding, the tail rows
+    that the last tiles' boxes read past the end); channels zero-padded to ``channels``.
+    """
+    n, h, w, c = a.shape
+    (row0, col0), span = g.origin, g.out_hw[1] + max(g.cols)
+    # Negative padding crops: rows and columns no active tap reaches are never copied.
+    on_grid = lax.pad(
+        a, jnp.zeros((), a.dtype),
+        ((0, 0, 0), (-row0, g.height - h + row0, 0), (-col0, span - w + col0, 0), (0, channels - c, 0)),
+    )
+    out_w = g.out_hw[1]
+    shifted = [
+        jnp.pad(on_grid[:, :, col:col + out_w], ((0, 0), (0, 0), (0, g.width - out_w), (0, 0)))
+        for col in g.distinct_cols
+    ]
+    flat = jnp.stack(shifted).reshape(len(shifted), n * g.image_rows, channels)
+    return jnp.pad(flat, ((0, 0), (0, tail), (0, 0)))
+
+
+def rows_of(a: jax.Array, g: Grid, channels: int, tail: int = 0) -> jax.Array:
+    """``[N * H_o * width + tail, channels]``: a result-shaped ``a: [N, H_o, W_o, C]`` on the
+    grid's rows (zero in the extra columns, the padded channels and the tail)."""
+    n, h, w, c = a.shape
+    rows = jnp.pad(a, ((0, 0), (0, 0), (0, g.width - w), (0, channels - c)))
+    return jnp.pad(rows.reshape(n * h * g.width, channels), ((0, tail), (0, 0)))
+
+
+def crop(out: jax.Array, g: Grid, batch: int, image_stride: int, c_out: int) -> jax.Array:
+    """``[N, H_o, W_o, c_out]`` from a kernel result of ``image_stride`` flat rows per image."""
+    ho, wo = g.out_hw
+    per_image = out[: batch * image_stride].reshape(batch, image_stride, out.shape[-1])
+    return per_image[:, : ho * g.width].reshape(batch, ho, g.width, -1)[:, :, :wo, :c_out]

@@ -1,0 +1,197 @@
+"""The Mosaic GPU kernels: a tap GEMM (forward and input gradient) and a tap weight gradient.
+
+Both are ``plgpu.kernel`` bodies, written as jax's own Hopper ops are
+(``jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py``): program indices from
+``lax.axis_index``, ``plgpu.emit_pipeline`` streaming TMA boxes into swizzled shared
+memory, ``wgmma`` into a float32 register accumulator, an epilogue through shared memory
+with a TMA store. Only active taps have a box: a masked tap is never read.
+
+Operands are the grid layouts of :mod:`.grid`; every box starts on a multiple of 8 rows,
+as TMA into tiled shared memory requires.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from .config import Tiles
+from .grid import Grid
+
+__all__ = ["tap_gemm", "tap_weight_grad"]
+
+_M_WGMMA = 64  # rows of one wgmma instruction (per warpgroup)
+
+
+def _transforms(minor: int, dtype) -> tuple:
+    """Tiling and swizzle of a shared-memory tile whose minor dimension holds ``minor`` elements."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _select(index, values: tuple[int, ...]):
+    """``values[index]`` for a traced scalar ``index`` and static ``values`` (a select chain: no table in memory)."""
+    out = jnp.int32(values[0])
+    for i, v in enumerate(values[1:], 1):
+        if v != values[0]:
+            out = jnp.where(index == i, jnp.int32(v), out)
+    return out
+
+
+def _interpret(interpret: bool):
+    return plgpu.InterpretGPUParams() if interpret else None
+
+
+def _params():
+    # Lane semantics: the transforms written here are the layouts used (no inference).
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: bool, name: str):
+    """``out[r] = sum_t a[d(t), r + shift(t)] @ w[t]``, per image, over the grid's output rows.
+
+    Args:
+      a: ``[D, rows, K]`` (:func:`.grid.copies`), 16-bit, ``K`` a multiple of ``tiles.block_k``.
+      w: ``[T * K, N]``, the dtype of ``a``: tap ``t``'s ``[K, N]`` block, ``N`` a multiple of
+        ``tiles.tile_n``.
+      g: the grid; ``batch``: images.
+
+    Returns:
+      ``[batch * per_image, N]`` of ``out_dtype``, ``per_image = ceil(H_o * Wp / tile_pixels)
+      * tile_pixels`` rows per image (:func:`.grid.crop` takes the valid ones).
+    """
+    _, _, k_pad = a.shape
+    n_pad = w.shape[1]
+    tm, tn, bk = tiles.tile_pixels, tiles.tile_n, tiles.block_k
+    k_blocks = k_pad // bk
+    steps = len(g.rows) * k_blocks
+    tiles_per_image = -(-g.out_hw[0] * g.width // tm)
+    shifts, copy_of = g.shifts(), g.copy_index
+
+    def body(a_ref, w_ref, out_ref, out_smem):
+        m, n = lax.axis_index("m"), lax.axis_index("n")
+        base = (m // tiles_per_image) * g.image_rows + (m % tiles_per_image) * tm
+
+        def a_block(k):
+            t = k // k_blocks
+            return _select(t, copy_of), pl.multiple_of(base + _select(t, shifts), 8), k % k_blocks
+
+        def step(_, a_smem, w_smem, acc):
+            plgpu.wgmma(acc, a_smem, w_smem)
+            plgpu.wgmma_wait(1)  # the previous step's boxes are free once its wgmma is done
+            return acc
+
+        def scope(acc):
+            plgpu.emit_pipeline(
+                step,
+                grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((None, pl.Element(tm), bk), a_block, transforms=_transforms(bk, a.dtype),
+                                    delay_release=1),
+                    plgpu.BlockSpec((bk, tn), lambda k: (k, n), transforms=_transforms(tn, w.dtype),
+                                    delay_release=1),
+                ],
+                max_concurrent_steps=max(2, tiles.max_concurrent_steps),
+                init_carry=acc,
+            )(a_ref, w_ref)
+            plgpu.wgmma_wait(0)
+            out_smem[...] = acc[...].astype(out_smem.dtype)
+            plgpu.commit_smem()
+            rows = pl.ds(pl.multiple_of(m * tm, tm), tm)
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, pl.ds(pl.multiple_of(n * tn, tn), tn)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.ACC((tm, tn), jnp.float32))
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((batch * tiles_per_image * tm, n_pad), out_dtype),
+        scratch_types=[plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(tn, out_dtype))],
+        grid=(batch * tiles_per_image, n_pad // tn),
+        grid_names=("m", "n"),
+        compiler_params=_params(),
+        interpret=_interpret(interpret),
+        kernel_name=name,
+    )(a, w)
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, interpret: bool):
+    """``parts[s, t] = sum over split s of x[d(t), r + shift(t)]^T @ dy[r]``, float32.
+
+    Args:
+      x: ``[D, rows, C_in]`` (:func:`.grid.copies` of the forward grid), 16-bit, ``C_in`` a
+        multiple of 64.
+      dy: ``[batch * H_o * Wp, C_out]`` (:func:`.grid.rows_of`), the dtype of ``x``,
+        ``C_out`` a multiple of ``tiles.tile_n``.
+      g: :func:`.grid.weight_grad_grid` (whole chunks tile each image's valid rows).
+      splits: ranges of the pixel reduction (a divisor of the chunk count is taken).
+
+    Returns:
+      ``[splits, T, C_in, C_out]`` float32 partial sums (added in order by the core).
+    """
+    _, _, ci_pad = x.shape
+    co_pad = dy.shape[1]
+    tn, bci, chunk = tiles.tile_n, _M_WGMMA, g.chunk
+    taps = len(g.rows)
+    ci_tiles, co_tiles = ci_pad // bci, co_pad // tn
+    per_image = g.out_hw[0] * g.width // chunk  # chunks of an image's valid rows
+    chunks = batch * per_image
+    splits = _largest_divisor(chunks, splits)
+    steps = chunks // splits
+    shifts, copy_of = g.shifts(), g.copy_index
+
+    def body(x_ref, dy_ref, out_ref, out_smem):
+        tc, co, s = lax.axis_index("tap_ci"), lax.axis_index("co"), lax.axis_index("split")
+        t, ci = tc // ci_tiles, tc % ci_tiles
+
+        def x_block(k):
+            q = s * steps + k
+            row = (q // per_image) * g.image_rows + (q % per_image) * chunk + _select(t, shifts)
+            return _select(t, copy_of), pl.multiple_of(row, 8), ci
+
+        def step(_, x_smem, dy_smem, acc):
+            plgpu.wgmma(acc, x_smem.transpose((1, 0)), dy_smem)
+            plgpu.wgmma_wait(1)
+            return acc
+
+        def scope(acc):
+            plgpu.emit_pipeline(
+                step,
+                grid=(steps,),
+                in_specs=[
+                    plgpu.BlockSpec((None, pl.Element(chunk), bci), x_block, transforms=_transforms(bci, x.dtype), delay_release=1),
+                    plgpu.BlockSpec((chunk, tn), lambda k: (s * steps + k, co), transforms=_transforms(tn, dy.dtype),
+                                    delay_release=1),
+                ],
+                max_concurrent_steps=max(2, tiles.max_concurrent_steps),
+                init_carry=acc,
+            )(x_ref, dy_ref)
+            plgpu.wgmma_wait(0)
+            out_smem[...] = acc[...]
+            plgpu.commit_smem()
+            rows = pl.ds(pl.multiple_of(((s * taps + t) * ci_tiles + ci) * bci, bci), bci)
+            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, pl.ds(pl.multiple_of(co * tn, tn), tn)])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(scope, plgpu.ACC((bci, tn), jnp.float32))
+
+    parts = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits * taps * ci_pad, co_pad), jnp.float32),
+        scratch_types=[plgpu.SMEM((bci, tn), jnp.float32, transforms=_transforms(tn, jnp.float32))],
+        grid=(taps * ci_tiles, co_tiles, splits),
+        grid_names=("tap_ci", "co", "split"),
+        compiler_params=_params(),
+        interpret=_interpret(interpret),
+        kernel_name="maskconv_mgpu_weight_grad",
+    )(x, dy)
+    return parts.reshape(splits, taps, ci_pad, co_pad)
