@@ -10,7 +10,7 @@ import contextlib
 
 import jax
 
-__all__ = ["SM_COUNT", "COMPUTE_CAPABILITY", "DEVICE_KIND", "TL_DOT_MIN_BLOCK", "gpu_target"]
+__all__ = ["SM_COUNT", "COMPUTE_CAPABILITY", "DEVICE_KIND", "SMEM_BYTES", "TL_DOT_MIN_BLOCK", "gpu_target"]
 
 # Streaming multiprocessors of an H100 SXM / H200.
 SM_COUNT = 132
@@ -18,6 +18,8 @@ SM_COUNT = 132
 COMPUTE_CAPABILITY = 90
 # The device an abstract mesh names for a cuda lowering on a host without a GPU (jax >= 0.12).
 DEVICE_KIND = "NVIDIA H200"
+# Shared memory one block may use on an H100 / H200 (227 KiB).
+SMEM_BYTES = 232448
 # Triton's tl.dot needs every dimension of a tile to be at least 16.
 TL_DOT_MIN_BLOCK = 16
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from ..hardware import SM_COUNT
+from ..hardware import SM_COUNT, SMEM_BYTES
 from ..spec import ConvSpec
 
 __all__ = ["Tiles"]
@@ -23,6 +23,7 @@ __all__ = ["Tiles"]
 _PIXEL_TILES = (64, 128)  # wgmma's M is 64 per warpgroup instruction; 128 is two
 _BLOCK_K = (16, 32, 64)  # 16-bit channels: 32, 64 or 128 bytes, one swizzle span
 _TILE_N = (16, 32, 64, 128, 256)
+_MAX_ACC = 128 * 128  # accumulator elements per warpgroup: 128 float32 registers per thread
 
 
 def _next_pow2(n: int) -> int:
@@ -55,6 +56,11 @@ class Tiles:
             value = getattr(self, field)
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"Tiles.{field} must be one of {allowed}, got {value!r}")
+        if self.tile_pixels * self.tile_n > _MAX_ACC:
+            raise ValueError(
+                f"Tiles.tile_pixels * tile_n must be at most {_MAX_ACC}: the float32 accumulator lives in one "
+                f"warpgroup's registers ({_MAX_ACC // 128} per thread), got {self.tile_pixels} * {self.tile_n}"
+            )
         steps = self.max_concurrent_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 8:
             raise ValueError(f"Tiles.max_concurrent_steps must be an int from 1 to 8, got {steps!r}")
@@ -73,6 +79,17 @@ class Tiles:
             tile_n=min(128, _next_pow2(max(spec.c_out, 16))),
             block_k=min(64, _next_pow2(max(spec.c_in, 16))),
         )
+
+
+def stages(tiles: Tiles, step_bytes: int, fixed_bytes: int) -> int:
+    """Pipeline stages: ``tiles.max_concurrent_steps``, fewer if shared memory cannot hold them (at least 2)."""
+    fit = (SMEM_BYTES - fixed_bytes) // step_bytes
+    if fit < 2:
+        raise ValueError(
+            f"Tiles {tiles} need {fixed_bytes + 2 * step_bytes} bytes of shared memory for two pipeline stages, "
+            f"more than the {SMEM_BYTES} an H100/H200 block has: use smaller tiles"
+        )
+    return max(2, min(tiles.max_concurrent_steps, fit))
 
 
 def weight_grad_splits(tiles: Tiles, programs: int, steps: int) -> int:

@@ -95,8 +95,12 @@ def _tap_conv(a, k, job, out_dtype, g: _grid.Grid, transpose: bool, name: str):
     c_out = k.shape[2] if transpose else k.shape[3]
     k_pad, n_pad = _round_up(c_a, t.block_k), _round_up(c_out, t.tile_n)
     _check_size(batch * g.image_rows)
+    # A float32 cotangent (preferred_element_type=float32) is rounded to the inputs'
+    # 16-bit dtype, as cuDNN's 16-bit backward passes take it: wgmma's float32 mode (TF32)
+    # takes K-major operands only.
+    a, k = a.astype(job.dtype), k.astype(job.dtype)
     copies = _grid.copies(a, g, k_pad, tail=t.tile_pixels)
-    w = _tap_weights(k.astype(a.dtype), job.problem.taps, transpose, k_pad, n_pad)
+    w = _tap_weights(k, job.problem.taps, transpose, k_pad, n_pad)
     out = kernels.tap_gemm(copies, w, g, t, batch, out_dtype, interpret=job.interpret, name=name)
     per_image = out.shape[0] // batch
     return _grid.crop(out, g, batch, per_image, c_out)
@@ -151,7 +155,8 @@ def weight_grad(x, dy, job, out_dtype):
     _check_size(batch * g.image_rows)
     ci_pad, co_pad = _round_up(p.c_in, 64), _round_up(p.c_out, t.tile_n)
     copies = _grid.copies(x, g, ci_pad, tail=0)
-    rows = _grid.rows_of(dy.astype(x.dtype), g, co_pad)
+    x, dy = x.astype(job.dtype), dy.astype(job.dtype)  # as in _tap_conv
+    rows = _grid.rows_of(dy, g, co_pad)
     chunks = batch * g.out_hw[0] * g.width // g.chunk
     splits = weight_grad_splits(t, len(p.taps) * (ci_pad // 64) * (co_pad // t.tile_n), chunks)
     parts = kernels.tap_weight_grad(copies, rows, g, t, batch, splits, interpret=job.interpret)

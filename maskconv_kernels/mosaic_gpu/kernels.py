@@ -19,7 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from .config import Tiles
+from .config import Tiles, stages
 from .grid import Grid
 
 __all__ = ["tap_gemm", "tap_weight_grad"]
@@ -28,7 +28,9 @@ _M_WGMMA = 64  # rows of one wgmma instruction (per warpgroup)
 
 
 def _transforms(minor: int, dtype) -> tuple:
-    """Tiling and swizzle of a shared-memory tile whose minor dimension holds ``minor`` elements."""
+    """Tiling and swizzle of a shared-memory tile whose minor dimension holds ``minor`` elements
+    (or, for a wgmma's two operands, the smaller of their minor dimensions: they must share
+    one swizzle)."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor * itemsize * 8)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
@@ -72,6 +74,8 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
     steps = len(g.rows) * k_blocks
     tiles_per_image = -(-g.out_hw[0] * g.width // tm)
     shifts, copy_of = g.shifts(), g.copy_index
+    operands = _transforms(min(bk, tn), a.dtype)
+    out_itemsize = jnp.dtype(out_dtype).itemsize
 
     def body(a_ref, w_ref, out_ref, out_smem):
         m, n = lax.axis_index("m"), lax.axis_index("n")
@@ -91,12 +95,10 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
                 step,
                 grid=(steps,),
                 in_specs=[
-                    plgpu.BlockSpec((None, pl.Element(tm), bk), a_block, transforms=_transforms(bk, a.dtype),
-                                    delay_release=1),
-                    plgpu.BlockSpec((bk, tn), lambda k: (k, n), transforms=_transforms(tn, w.dtype),
-                                    delay_release=1),
+                    plgpu.BlockSpec((None, pl.Element(tm), bk), a_block, transforms=operands, delay_release=1),
+                    plgpu.BlockSpec((bk, tn), lambda k: (k, n), transforms=operands, delay_release=1),
                 ],
-                max_concurrent_steps=max(2, tiles.max_concurrent_steps),
+                max_concurrent_steps=stages(tiles, (tm + tn) * bk * a.dtype.itemsize, tm * tn * out_itemsize),
                 init_carry=acc,
             )(a_ref, w_ref)
             plgpu.wgmma_wait(0)
@@ -148,6 +150,7 @@ def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, in
     splits = _largest_divisor(chunks, splits)
     steps = chunks // splits
     shifts, copy_of = g.shifts(), g.copy_index
+    operands = _transforms(min(bci, tn), x.dtype)
 
     def body(x_ref, dy_ref, out_ref, out_smem):
         tc, co, s = lax.axis_index("tap_ci"), lax.axis_index("co"), lax.axis_index("split")
@@ -168,11 +171,10 @@ def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, in
                 step,
                 grid=(steps,),
                 in_specs=[
-                    plgpu.BlockSpec((None, pl.Element(chunk), bci), x_block, transforms=_transforms(bci, x.dtype), delay_release=1),
-                    plgpu.BlockSpec((chunk, tn), lambda k: (s * steps + k, co), transforms=_transforms(tn, dy.dtype),
-                                    delay_release=1),
+                    plgpu.BlockSpec((None, pl.Element(chunk), bci), x_block, transforms=operands, delay_release=1),
+                    plgpu.BlockSpec((chunk, tn), lambda k: (s * steps + k, co), transforms=operands, delay_release=1),
                 ],
-                max_concurrent_steps=max(2, tiles.max_concurrent_steps),
+                max_concurrent_steps=stages(tiles, chunk * (bci + tn) * x.dtype.itemsize, bci * tn * 4),
                 init_carry=acc,
             )(x_ref, dy_ref)
             plgpu.wgmma_wait(0)
