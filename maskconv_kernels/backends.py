@@ -93,7 +93,9 @@ BACKENDS: dict[str, Backend] = {
 }
 IMPLEMENTATIONS = tuple(BACKENDS)
 # Tried in order by implementation=None, per lowering platform; "xla" runs everything.
-PREFERENCE = ("pallas_triton", "xla")
+# pallas_mosaic_gpu first: on sm_90 it takes 16-bit, stride-1 window masks; the rest
+# falls through to pallas_triton, then xla.
+PREFERENCE = ("pallas_mosaic_gpu", "pallas_triton", "xla")
 
 
 def get(name: str) -> Backend:

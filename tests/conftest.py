@@ -41,6 +41,7 @@ class Backend:
     implementation: str
     interpret: bool = False
     config: object = None  # the backend's config, e.g. XlaConfig("matmul")
+    dtype: np.dtype = np.dtype("float32")  # what the shared suites run it in (SUITE_DTYPE)
 
     def unsupported(self, x, kernel, mask, **kw) -> str | None:
         spec = make_spec(x, kernel, mask, **kw)
@@ -62,16 +63,24 @@ class Backend:
         )
 
 
+# The dtype the shared suites run a backend in, when it is not float32: the Mosaic GPU
+# kernels take 16-bit inputs only (wgmma's float32 mode is TF32 on K-major operands).
+# Tests draw their inputs in ``conv.dtype`` and bound errors by its TOLERANCE.
+SUITE_DTYPE = {"pallas_mosaic_gpu": np.dtype(jnp.bfloat16)}
+
+
 def _backends() -> dict[str, Backend]:
     """Every registered backend that can run here: kernel backends compiled on GPUs, in
     their interpreters elsewhere (what CI checks on CPU); one whose package is missing
-    here (triton without the extra) is left out, and its own tests say so."""
-    probe = make_spec(np.zeros((1, 4, 4, 2), np.float32), np.zeros((3, 3, 2, 2), np.float32), np.ones((3, 3)))
+    here (triton without the extra), or that needs a newer jax (pallas_mosaic_gpu on jax
+    0.10), is left out, and its own tests say so."""
     found = {"xla": Backend("xla"), "xla_matmul": Backend("xla", config=XlaConfig("matmul"))}  # what GPUs run, on CPU
     for name, record in backends.BACKENDS.items():
         if not record.kernel_problem:
             continue
-        backend = Backend(name) if ON_GPU else Backend(name, interpret=True)
+        dtype = SUITE_DTYPE.get(name, np.dtype("float32"))
+        probe = make_spec(np.zeros((1, 4, 4, 2), dtype), np.zeros((3, 3, 2, 2), dtype), np.ones((3, 3)))
+        backend = Backend(name, dtype=dtype) if ON_GPU else Backend(name, interpret=True, dtype=dtype)
         if record.unsupported(probe, PLATFORM, backend.interpret) is None:
             found[name if ON_GPU else f"{name}_interpret"] = backend
     return found
@@ -96,6 +105,7 @@ class _Named:
     def __init__(self, name, fn):
         self.name, self.fn = name, fn
         self.slow = name in SLOW_BACKENDS
+        self.dtype = fn.dtype
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
@@ -141,10 +151,10 @@ def second_order(conv, x, k, mask):
     return jax.grad(lambda k: jnp.tanh(inner(k)).sum())(k)
 
 
-def assert_second_order_close(actual, x, k, mask, **conv_args):
+def assert_second_order_close(actual, x, k, mask, dtype=np.float32, **conv_args):
     """``actual`` against :func:`second_order` of the leaky baseline in float64.
 
-    Bound: the float32 roundings of three chained sums (the output over active taps x
+    Bound: the roundings (in ``dtype``) of three chained sums (the output over active taps x
     C_in, the input gradient over active taps x C_out, the kernel gradient over pixels)
     add up, each relative to the sum of |terms|. That sum is bounded by the same
     computation on |x|, |k| with tanh' (at most 1) replaced by 1: every product then
@@ -161,7 +171,7 @@ def assert_second_order_close(actual, x, k, mask, **conv_args):
     taps = int(bits.sum()) if bits.ndim == k.ndim - 2 else int(bits.any(axis=(-2, -1)).sum())
     pixels = int(np.prod(x.shape[:-1]))
     reduction = taps * k.shape[-2] + taps * k.shape[-1] + pixels
-    assert_close(actual, expected, np.float32, reduction, float(magnitude.max()))
+    assert_close(actual, expected, dtype, reduction, float(magnitude.max()))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,10 @@ def _scale(a):
 
 
 SMOKE_CASES = [
-    c for c in CASES if c.name in ("1d_N2_L16_C5_k3_CAUSAL_s2", "2d_N1_H12_W9_C3_k3B_s21_d2", "2d_N1_H7_W7_C6_k3_rgbA_full")
+    c for c in CASES if c.name in (
+        "1d_N2_L16_C5_k3_CAUSAL_s2", "2d_N1_H12_W9_C3_k3B_s21_d2", "2d_N1_H7_W7_C6_k3_rgbA_full",
+        "2d_N2_H17_W13_C3_k5A",  # stride 1, a window mask: what every kernel backend runs
+    )
 ]
 
 
@@ -32,40 +35,40 @@ def test_every_backend_smoke(name, case):
     """A 1-D, a strided and dilated 2-D and a channel-partial case on every backend, the interpreted kernels
     included: the fast tier's check of the kernels (the slow tier runs all the suites)."""
     conv = BACKENDS[name]
-    x, k = _inputs(case, np.float32, seed=5)
+    x, k = _inputs(case, conv.dtype, seed=5)
     y, vjp = jax.vjp(lambda x, k: conv(x, k, case.mask, **case.conv_args), x, k)
-    assert_close(y, masked_conv_reference(x, k, case.mask, **case.conv_args), np.float32, case.reduction(), _scale(x) * _scale(k))
-    dy = random(6, y.shape)
+    assert_close(y, masked_conv_reference(x, k, case.mask, **case.conv_args), conv.dtype, case.reduction(), _scale(x) * _scale(k))
+    dy = random(6, y.shape, conv.dtype)
     dx, dk = vjp(dy)
     rdx, rdk = masked_conv_reference_vjp(x, k, case.mask, dy, **case.conv_args)
-    assert_close(dx, rdx, np.float32, case.reduction() * case.kernel_shape[-1], _scale(dy) * _scale(k))
-    assert_close(dk, rdk, np.float32, int(np.prod(y.shape[:-1])), _scale(dy) * _scale(x))
+    assert_close(dx, rdx, conv.dtype, case.reduction() * case.kernel_shape[-1], _scale(dy) * _scale(k))
+    assert_close(dk, rdk, conv.dtype, int(np.prod(y.shape[:-1])), _scale(dy) * _scale(x))
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_forward_matches_reference(conv, case):
     if conv.slow and not case.small:
         pytest.skip(f"{case.name} is too large for the interpret-mode backend {conv.name}")
-    x, k = _inputs(case, np.float32)
+    x, k = _inputs(case, conv.dtype)
     y = jax.jit(lambda x, k: conv(x, k, case.mask, **case.conv_args))(x, k)
     ref = masked_conv_reference(x, k, case.mask, **case.conv_args)
     assert y.dtype == x.dtype
-    assert_close(y, ref, np.float32, case.reduction(), _scale(x) * _scale(k))
+    assert_close(y, ref, conv.dtype, case.reduction(), _scale(x) * _scale(k))
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_gradients_match_reference(conv, case):
     if conv.slow and not case.small:
         pytest.skip(f"{case.name} is too large for the interpret-mode backend {conv.name}")
-    x, k = _inputs(case, np.float32, seed=3)
+    x, k = _inputs(case, conv.dtype, seed=3)
     y, vjp = jax.vjp(lambda x, k: conv(x, k, case.mask, **case.conv_args), x, k)
-    dy = random(7, y.shape)
+    dy = random(7, y.shape, conv.dtype)
     dx, dk = jax.jit(vjp)(dy)
     rdx, rdk = masked_conv_reference_vjp(x, k, case.mask, dy, **case.conv_args)
     c_out = case.kernel_shape[-1]
-    assert_close(dx, rdx, np.float32, case.reduction() * c_out, _scale(dy) * _scale(k))
+    assert_close(dx, rdx, conv.dtype, case.reduction() * c_out, _scale(dy) * _scale(k))
     pixels = int(np.prod(y.shape[:-1]))
-    assert_close(dk, rdk, np.float32, pixels, _scale(dy) * _scale(x))
+    assert_close(dk, rdk, conv.dtype, pixels, _scale(dy) * _scale(x))
     # Masked kernel entries: exactly zero, not merely small.
     masked = ~np.broadcast_to(
         np.asarray(case.mask, bool).reshape(case.mask.shape + (1,) * (len(case.kernel_shape) - case.mask.ndim)),

@@ -33,8 +33,8 @@ EXACT_CASES = [c for c in CASES if c.small]
 
 @pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.name)
 def test_gradient_is_exactly_zero_outside_active_receptive_field(conv, case):
-    x = random(1, case.x_shape)
-    k = random(2, case.kernel_shape)
+    x = random(1, case.x_shape, dtype=conv.dtype)
+    k = random(2, case.kernel_shape, dtype=conv.dtype)
     spec = make_spec(x, k, case.mask, **case.conv_args)
     out_index = tuple(o // 2 for o in spec.out_spatial)
     co = spec.c_out - 1
@@ -52,8 +52,8 @@ def test_gradient_is_exactly_zero_outside_active_receptive_field(conv, case):
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.name)
 def test_poisoned_masked_inputs_leave_output_bit_identical(conv, case, poison):
-    x = random(3, case.x_shape)
-    k = random(4, case.kernel_shape)
+    x = random(3, case.x_shape, dtype=conv.dtype)
+    k = random(4, case.kernel_shape, dtype=conv.dtype)
     spec = make_spec(x, k, case.mask, **case.conv_args)
     out_index = tuple(o // 2 for o in spec.out_spatial)
     co = 0
@@ -66,10 +66,41 @@ def test_poisoned_masked_inputs_leave_output_bit_identical(conv, case, poison):
     assert clean.tobytes() == dirty.tobytes(), f"output changed from {clean} to {dirty}"
 
 
+def _read_anywhere(spec):
+    """Bool ``(*spatial,)``: input pixels some active tap of some output reads."""
+    read = np.zeros(spec.in_spatial, bool)
+    for tap in spec.mask.active_taps:
+        for out in itertools.product(*(range(o) for o in spec.out_spatial)):
+            pos = tuple(o * s - lo + t * d for o, s, (lo, _), t, d in zip(out, spec.strides, spec.padding, tap, spec.dilation))
+            if all(0 <= p < n for p, n in zip(pos, spec.in_spatial)):
+                read[pos] = True
+    return read
+
+
+@pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.name)
+def test_inputs_no_tap_reads_leave_the_weight_gradient_bit_identical(conv, case):
+    """NaN in pixels that no active tap of any output reads (the bottom-right corner of a
+    causal mask, say): the kernel gradient sums products over valid outputs and active
+    taps only, so it cannot change; a kernel that multiplied them by a zero cotangent
+    (0 * nan) would make it NaN."""
+    x = random(11, case.x_shape, dtype=conv.dtype)
+    k = random(12, case.kernel_shape, dtype=conv.dtype)
+    spec = make_spec(x, k, case.mask, **case.conv_args)
+    unread = ~_read_anywhere(spec)
+    if not unread.any():
+        pytest.skip(f"{case.name}: every input pixel is read")
+    poisoned = np.array(x)
+    poisoned[:, unread] = np.nan
+    dk = jax.jit(jax.grad(lambda k, x: conv(x, k, case.mask, **case.conv_args).astype(np.float32).sum()))
+    clean = np.asarray(dk(k, x))
+    assert np.isfinite(clean).all()
+    assert np.asarray(dk(k, jnp.asarray(poisoned))).tobytes() == clean.tobytes()
+
+
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
 def test_poisoned_masked_kernel_entries_are_never_read(conv, poison):
     case = next(c for c in CASES if c.name == "2d_N2_H17_W13_C3_k5A")
-    x, k = random(5, case.x_shape), np.array(random(6, case.kernel_shape))
+    x, k = random(5, case.x_shape, dtype=conv.dtype), np.array(random(6, case.kernel_shape, dtype=conv.dtype))
     f = jax.jit(lambda x, k: conv(x, k, case.mask, **case.conv_args))
     clean = np.asarray(f(x, k))
     k[~case.mask.astype(bool)] = poison
@@ -78,8 +109,8 @@ def test_poisoned_masked_kernel_entries_are_never_read(conv, poison):
 
 def test_seed_experiment_gradient_of_centre_pixel(conv):
     """The report's first experiment: 3x3, last row masked, 128 channels."""
-    x = random(42, (1, 5, 5, 128))
-    k = random(43, (3, 3, 128, 128), scale=1 / np.sqrt(9 * 128))
+    x = random(42, (1, 5, 5, 128), dtype=conv.dtype)
+    k = random(43, (3, 3, 128, 128), scale=1 / np.sqrt(9 * 128), dtype=conv.dtype)
     mask = np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]])
     g = jax.jit(jax.grad(lambda x: conv(x, k, mask)[:, 2, 2, :].sum()))(x)
     g = np.abs(np.asarray(g)).mean(-1)[0]
@@ -91,8 +122,8 @@ def test_seed_experiment_gradient_of_centre_pixel(conv):
 
 def test_seed_experiment_zeros_over_ones(conv):
     """The report's second experiment: the centre row reads only zeros, so it is exactly 0."""
-    x = jnp.concatenate([jnp.zeros((1, 3, 5, 128)), jnp.ones((1, 2, 5, 128))], axis=1)
-    k = random(43, (3, 3, 128, 128), scale=1 / np.sqrt(9 * 128))
+    x = jnp.concatenate([jnp.zeros((1, 3, 5, 128)), jnp.ones((1, 2, 5, 128))], axis=1).astype(conv.dtype)
+    k = random(43, (3, 3, 128, 128), scale=1 / np.sqrt(9 * 128), dtype=conv.dtype)
     mask = np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]])
     y = np.asarray(jax.jit(lambda x: conv(x, k, mask))(x))
     assert (y[0, :3] == 0.0).all()
@@ -106,14 +137,14 @@ def test_deep_pixelcnn_stack_is_exactly_causal(conv):
     h = w = 9
     c = 16
     masks = [mk.pixelcnn_mask((7, 7), "A")] + [mk.pixelcnn_mask((3, 3), "B")] * 5
-    kernels = [random(10 + i, (*m.shape, 3 if i == 0 else c, c), scale=0.3) for i, m in enumerate(masks)]
+    kernels = [random(10 + i, (*m.shape, 3 if i == 0 else c, c), scale=0.3, dtype=conv.dtype) for i, m in enumerate(masks)]
 
     def net(x):
         for m, k in zip(masks, kernels):
             x = jnp.tanh(conv(x, k, m))
         return x
 
-    x = random(9, (1, h, w, 3))
+    x = random(9, (1, h, w, 3), dtype=conv.dtype)
     centre = (h // 2, w // 2)
     g = np.asarray(jax.jit(jax.grad(lambda x: net(x)[(0, *centre)].sum()))(x))[0]
     raster = np.arange(h * w).reshape(h, w)

@@ -23,6 +23,7 @@ __all__ = ["unsupported", "forward", "input_grad", "weight_grad"]
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _INT32_LIMIT = 2**31
 _MIN_JAX = (0, 11)
+_HOPPER = "9.0"
 
 
 def _jax_version() -> tuple[int, ...]:
@@ -60,7 +61,19 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
             f'platform "{platform}": the kernels lower through Mosaic GPU for NVIDIA Hopper '
             "(pass interpret=True to run them in Mosaic GPU's interpreter)"
         )
+    capability = _compute_capability()
+    if capability is not None and capability != _HOPPER:
+        return f"compute capability {capability}: the kernels use Hopper's wgmma (sm_90a)"
     return None
+
+
+def _compute_capability() -> str | None:
+    """The attached GPU's compute capability (``"9.0"``); ``None`` without one (lowering
+    ahead of time targets :data:`~maskconv_kernels.hardware.COMPUTE_CAPABILITY`, sm_90)."""
+    try:
+        return str(jax.devices("gpu")[0].compute_capability)
+    except Exception:  # no GPU backend here
+        return None
 
 
 def _tiles(job) -> Tiles:
