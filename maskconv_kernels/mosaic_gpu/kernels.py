@@ -19,6 +19,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from ..hardware import SM_COUNT
 from .config import Tiles, stages
 from .grid import Grid
 
@@ -77,8 +78,17 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
     operands = _transforms(min(bk, tn), a.dtype)
     out_itemsize = jnp.dtype(out_dtype).itemsize
 
+    m_tiles, n_tiles = batch * tiles_per_image, n_pad // tn
+
     def body(a_ref, w_ref, out_ref, out_smem):
-        m, n = lax.axis_index("m"), lax.axis_index("n")
+        # Persistent: one program per SM walks the (pixel tile, channel tile) grid, channel
+        # tiles innermost so that neighbouring programs read the same boxes (L2 reuse).
+        @plgpu.nd_loop((m_tiles, n_tiles), collective_axes="sm")
+        def _tile(info):
+            m, n = info.index
+            tile(a_ref, w_ref, out_ref, out_smem, m, n)
+
+    def tile(a_ref, w_ref, out_ref, out_smem, m, n):
         base = (m // tiles_per_image) * g.image_rows + (m % tiles_per_image) * tm
 
         def a_block(k):
@@ -114,8 +124,8 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
         body,
         out_type=jax.ShapeDtypeStruct((batch * tiles_per_image * tm, n_pad), out_dtype),
         scratch_types=[plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(tn, out_dtype))],
-        grid=(batch * tiles_per_image, n_pad // tn),
-        grid_names=("m", "n"),
+        grid=(min(SM_COUNT, m_tiles * n_tiles),),
+        grid_names=("sm",),
         compiler_params=_params(),
         interpret=_interpret(interpret),
         kernel_name=name,
