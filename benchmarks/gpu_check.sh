@@ -12,7 +12,8 @@
 #   4. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
 #   5. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
-#      ours, Pallas tiles swept, Triton's autotune (python -m benchmarks.tune) -> tune.json
+#      ours, Mosaic GPU's default tiles, Pallas tiles swept, Triton's autotune,
+#      Mosaic GPU tiles swept (python -m benchmarks.tune)                    -> tune.json
 #   6. the summary table, printed last
 # Everything goes to $OUT (default benchmarks/results/gpu-check), with the full log in
 # gpu_check.log: 8 files, the most the device machine returns.
@@ -103,9 +104,13 @@ PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 # Compilation dominates: spread the tests over worker processes, which then share the
 # GPU, so none may preallocate most of its memory.
 "$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-8}")
-# The suites where the compiled GPU backends (pallas, triton, and xla's matmul path) run;
-# the rest (flax, sharding on forced CPU devices, masks, errors) is what CI checks on CPU.
-PYTEST_PATHS=${PYTEST_PATHS:-tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py tests/test_dispatch.py}
+# The suites where the compiled GPU backends (pallas, triton, mosaic gpu, and xla's matmul
+# path) run; the rest (flax, sharding on forced CPU devices, masks, errors) is what CI
+# checks on CPU. Mosaic GPU's own suite goes first: it has never run compiled, and the
+# whole list did not finish in the first run's limit. Missing files are dropped (pytest
+# would stop at a path that does not exist).
+PYTEST_PATHS=${PYTEST_PATHS:-tests/test_mosaic_gpu.py tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py tests/test_dispatch.py}
+PYTEST_PATHS=$(for f in $PYTEST_PATHS; do [ -e "$f" ] && echo "$f"; done | tr '\n' ' ')
 [ -n "$PYTEST_K" ] && PYTEST_ARGS+=(-k "$PYTEST_K")
 # shellcheck disable=SC2086
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
@@ -138,22 +143,31 @@ for check in ex[labels[0]]:
 EOF
 fi
 if [ -s "$OUT/tune.json" ]; then
-  echo; echo "Per-kernel ms (python -m benchmarks.tune): cuDNN, Pallas default tile / best tile, Triton's pick"
+  echo; echo "Per-kernel ms (python -m benchmarks.tune): cuDNN, Pallas and Mosaic GPU default tile / best tile, Triton's pick"
+  echo "(mosaic predicted: benchmarks/predict_mgpu.py's time for the default tiles, made before any GPU run)"
   "$PYTHON" - "$OUT/tune.json" <<'EOF' || echo "(tune.json not in the expected format)"
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
-print("| shape | dtype | kernel | cuDNN | pallas default | pallas best (tile) | triton |")
-print("|---|---|---|---:|---:|---|---:|")
+print("| shape | dtype | kernel | cuDNN | pallas default | pallas best (tile) | triton | mosaic predicted "
+      "| mosaic default | mosaic best (tile) |")
+print("|---|---|---|---:|---:|---|---:|---:|---:|---|")
 for key in dict.fromkeys((r["shape"], r["dtype"]) for r in rows):
     sub = [r for r in rows if (r["shape"], r["dtype"]) == key and "ms" in r]
     for kind in ("fwd", "dx", "dw", "step"):
         get = lambda impl, f=None: [r for r in sub if r["impl"] == impl and r["kind"] == kind and (f is None or f(r))]
-        base, dflt = get("baseline"), get("pallas_triton", lambda r: r.get("default"))
-        pal, tri = sorted(get("pallas_triton"), key=lambda r: r["ms"]), get("triton")
+        base, tri = get("baseline"), get("triton")
         fmt = lambda rs: f"{rs[0]['ms']:.3f}" if rs else "-"
-        best = f"{pal[0]['ms']:.3f} ({','.join(map(str, pal[0]['tile']))})" if pal else "-"
-        print(f"| {key[0]} | {key[1]} | {kind} | {fmt(base)} | {fmt(dflt)} | {best} | {fmt(tri)} |")
-for r in [r for r in rows if "error" in r][:8]:
+        best = lambda rs: f"{rs[0]['ms']:.3f} ({','.join(map(str, rs[0]['tile']))})" if rs else "-"
+        pal, pal_d = sorted(get("pallas_triton"), key=lambda r: r["ms"]), get("pallas_triton", lambda r: r.get("default"))
+        mg, mg_d = sorted(get("pallas_mosaic_gpu"), key=lambda r: r["ms"]), get("pallas_mosaic_gpu", lambda r: r.get("default"))
+        pred = [r["predicted_ms"] for r in rows if (r["shape"], r["dtype"]) == key and r["impl"] == "pallas_mosaic_gpu"
+                and r["kind"] == kind and r.get("default") and r.get("predicted_ms")]
+        print(f"| {key[0]} | {key[1]} | {kind} | {fmt(base)} | {fmt(pal_d)} | {best(pal)} | {fmt(tri)} "
+              f"| {f'{pred[0]:.3f}' if pred else '-'} | {fmt(mg_d)} | {best(mg)} |")
+unsupported = {(r["impl"], r["error"]) for r in rows if r.get("error", "").startswith("unsupported:")}
+for impl, why in sorted(unsupported):
+    print("not run:", impl, why[:160])
+for r in [r for r in rows if "error" in r and not r["error"].startswith("unsupported:")][:8]:
     print("error:", r["impl"], r["kind"], r.get("tile"), r["error"][:160])
 EOF
 fi

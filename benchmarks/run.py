@@ -173,6 +173,9 @@ def mode_fn(impl: str, shape: BenchShape, mode: str):
     return fwd_bwd
 
 
+_TOLD: set[tuple[str, str]] = set()  # (backend, reason) pairs run_cell has printed
+
+
 def implementations(spec, platform_name: str) -> tuple[list[str], dict[str, str]]:
     """Our backends that run ``spec`` here (compiled, not interpreted), and why the others do not."""
     ok, skipped = [], {}
@@ -376,6 +379,10 @@ def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta
     k_struct = jax.ShapeDtypeStruct(shape.kernel_shape, dtype)
     spec = make_spec(x_struct, k_struct, shape.mask, **shape.conv_args)
     ours, skipped = implementations(spec, platform_name)
+    for name, why in skipped.items():  # said once per backend and reason, as the grid goes
+        if (name, why) not in _TOLD:
+            _TOLD.add((name, why))
+            print(f"\n  {name} not run ({shape.name} {dtype_name} and any alike): {why}", file=sys.stderr, flush=True)
     impls = [BASELINE] + [i for i in ours if only is None or i in only]
     set_bytes = sum(math.prod(s) * np.dtype(dtype).itemsize
                     for s in (x_struct.shape, k_struct.shape, (batch, *spec.out_spatial, shape.c_out)))

@@ -15,7 +15,13 @@ ever been chosen, not measured. For each shape and dtype it times:
   ``config=BlockSizes(...)`` (``CANDIDATES``; the heuristic's pick is marked ``default``);
 * ``triton``: each kernel's autotune timings (``triton.ops.timings()``) and the chosen
   config (``triton.ops.tuned()``), re-timed with the same timer as the others through
-  ``config=Configs(...)``.
+  ``config=Configs(...)``;
+* ``pallas_mosaic_gpu``: the three kernels with the default ``Tiles`` first, then each
+  kernel with the tiles of ``MGPU_CANDIDATES`` passed as ``config=Tiles(...)``, each row
+  beside its prediction (``benchmarks.predict_mgpu``, full batch only).
+
+A backend that reports the problem unsupported (``backends.get(name).unsupported``:
+float32 for Mosaic GPU, Triton off a GPU) is skipped with its reason printed and written.
 
 Public names only: what a user tuning a config would call.
 
@@ -29,6 +35,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
@@ -39,11 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import maskconv_kernels as mk
+from maskconv_kernels import backends
+from maskconv_kernels.mosaic_gpu import Tiles
 from maskconv_kernels.pallas import BlockSizes
 from maskconv_kernels.spec import make_spec
 
 from .run import DTYPES, metadata
 from .shapes import BAR_SHAPES, BenchShape
+
+KINDS = ("fwd", "dx", "dw")
 
 # (block_m, block_n, block_k, num_warps, num_stages) of one GEMM: for the forward
 # m = output pixels, n = C_out, k = C_in; for the input gradient m = input pixels,
@@ -54,6 +65,58 @@ CANDIDATES = {
     4: [(64, 64, 32, 4, 2), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3), (64, 128, 32, 4, 3),
         (128, 128, 16, 8, 4), (64, 64, 64, 4, 2)],
 }
+
+
+# Mosaic GPU tiles around the default (128, 128, 64, 3 at these shapes), one field at a time
+# first. fwd / dx: (tile_pixels, tile_n, block_k, max_concurrent_steps); tile_pixels *
+# tile_n is at most 128 * 128 (the accumulator is one warpgroup's registers), so tile_n 256
+# goes with 64-pixel tiles. The weight gradient reads neither tile_pixels nor block_k (its
+# tiles are 64 input channels x tile_n, reduced over the grid's 64/128-pixel chunks), so
+# its sweep is (tile_n, max_concurrent_steps, weight_grad_splits) instead: sweeping the
+# unread fields would compile the same kernel again.
+MGPU_CANDIDATES = {
+    "fwd": [(64, 128, 64, 3), (128, 64, 64, 3), (64, 256, 64, 3), (128, 128, 32, 3), (128, 128, 64, 2),
+            (128, 128, 64, 4), (64, 256, 64, 4), (128, 64, 32, 4)],
+    "dw": [(64, 3, None), (256, 2, None), (128, 2, None), (128, 4, None), (128, 3, 1), (128, 3, 4), (128, 3, 8)],
+}
+MGPU_CANDIDATES["dx"] = MGPU_CANDIDATES["fwd"]
+
+
+def mgpu_key(kind: str, t: Tiles) -> tuple:
+    """The fields of ``t`` that ``kind``'s kernel reads (rows' ``tile``)."""
+    if kind == "dw":
+        return (t.tile_n, t.max_concurrent_steps, t.weight_grad_splits)
+    return (t.tile_pixels, t.tile_n, t.block_k, t.max_concurrent_steps)
+
+
+def mgpu_tiles(kind: str, cand) -> Tiles:
+    """A ``Tiles`` for one candidate (raises ``ValueError`` for one ``Tiles`` rejects)."""
+    if kind == "dw":
+        tn, steps, splits = cand
+        # tile_pixels is unread by the weight gradient; 64 keeps tile_pixels * tile_n valid.
+        return Tiles(tile_pixels=64, tile_n=tn, block_k=64, max_concurrent_steps=steps, weight_grad_splits=splits)
+    return Tiles(*cand)
+
+
+def predicted_ms(shape: BenchShape, kind: str, tiles: Tiles):
+    """``benchmarks.predict_mgpu``'s time for one kernel (with its XLA copies), or None."""
+    try:  # imported here: it reads the backend's internals, and must never stop the timings
+        from . import predict_mgpu
+
+        return predict_mgpu.predict(shape, (kind,), tiles)[0]["total_s"] * 1e3
+    except Exception:  # noqa: BLE001 - a prediction is an aside; the timing is the result
+        return None
+
+
+def skip_reason(name: str, spec, interpret: bool) -> str | None:
+    """Why backend ``name`` does not run ``spec`` here; printed, so a skipped backend says why."""
+    try:
+        reason = backends.get(name).unsupported(spec, backends.lowering_platform(), interpret=interpret)
+    except Exception as e:  # noqa: BLE001 - a backend that cannot even be imported here
+        reason = f"{type(e).__name__}: {e}"
+    if reason is not None:
+        print(f"  {name} skipped: {reason}", flush=True)
+    return reason
 
 
 def blocks_for(kind: str, base: BlockSizes, cand) -> BlockSizes:
@@ -74,9 +137,9 @@ def gemm_of(kind: str, b: BlockSizes):
     }[kind] + (b.num_warps, b.num_stages)
 
 
-def time_fn(compiled, args, samples: int = 15, min_sample_s: float = 0.003) -> float:
+def time_fn(compiled, args, samples: int = 15, min_sample_s: float = 0.003, warmup: int = 2) -> float:
     """Median seconds per call; each sample is ``n`` back-to-back calls and one block."""
-    for _ in range(2):
+    for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     t = time.perf_counter()
     jax.block_until_ready(compiled(*args))
@@ -111,7 +174,8 @@ def _compile_all(fns: dict, args: dict, label: str, workers: int = 8) -> dict:
     return out
 
 
-def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: bool = False, flush=None) -> list[dict]:
+def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: bool = False, flush=None,
+               implementations=("pallas_triton", "triton", "pallas_mosaic_gpu")) -> list[dict]:
     """Rows of timings for one shape and dtype; ``cpu_check``: tiny batch, interpreted (tests this script).
 
     ``flush(rows)`` is called after every kernel's rows, so a run cut short keeps them.
@@ -148,9 +212,26 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
     for kind, c in compiled.items():
         row("baseline", kind, c if isinstance(c, str) else time_fn(c, (x, k, dy)))
 
+    def runs(impl, interpret) -> bool:
+        """Whether ``impl`` was asked for and supports the problem here (if not, a row says why)."""
+        if impl not in implementations:
+            return False
+        reason = skip_reason(impl, spec, interpret)
+        if reason is not None:
+            row(impl, "all", f"unsupported: {reason}")
+        return reason is None
+
+    # Mosaic GPU's default tiles first: the three kernels as they run untuned, before any
+    # sweep spends the budget.
+    mgpu = runs("pallas_mosaic_gpu", cpu_check)
+    if mgpu:
+        mgpu_default = Tiles.get_default(spec, dtype)
+        mgpu_sweep(shape, dtype_name, cpu_check, {kind: {mgpu_key(kind, mgpu_default): mgpu_default} for kind in KINDS},
+                   mgpu_default, (x, k, dy), row)
+
     # Pallas: each kernel alone, per candidate tile.
     default = BlockSizes.get_default(spec, dtype)
-    for kind in ("fwd", "dx", "dw"):
+    for kind in KINDS if runs("pallas_triton", cpu_check) else ():
         if time.perf_counter() > deadline:
             break
         cands = {gemm_of(kind, default): default}
@@ -162,8 +243,31 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
             t = c if isinstance(c, str) else time_fn(c, (x, k, dy))
             row("pallas_triton", kind, t, tile=list(cand), default=cand == gemm_of(kind, default))
 
-    # Triton: the autotuner's own timings (at the first lowering of each kernel), then
-    # its pick under this timer.
+    if runs("triton", False):
+        triton_autotune(shape, spec, batch, dtype, (x, k, dy), deadline, cpu_check, row)
+
+    # Mosaic GPU's sweep, kernel by kernel while the budget lasts (a CPU check interprets
+    # slowly: one candidate per kernel there).
+    for kind in KINDS if mgpu else ():
+        if time.perf_counter() > deadline:
+            break
+        cands = {}
+        for cand in MGPU_CANDIDATES[kind][: 1 if cpu_check else None]:
+            try:
+                tiles = mgpu_tiles(kind, cand)
+            except ValueError as e:
+                print(f"  pallas_mosaic_gpu {kind} {cand} skipped: {e}", flush=True)
+                continue
+            if mgpu_key(kind, tiles) != mgpu_key(kind, mgpu_default):
+                cands[mgpu_key(kind, tiles)] = tiles
+        mgpu_sweep(shape, dtype_name, cpu_check, {kind: cands}, mgpu_default, (x, k, dy), row)
+    return rows
+
+
+def triton_autotune(shape: BenchShape, spec, batch: int, dtype, args, deadline: float, cpu_check: bool, row):
+    """Triton's rows: the autotuner's own timings (at the first lowering of each kernel),
+    then its pick under this timer. The autotuner runs on a GPU only (never interpreted)."""
+    x, k, dy = args
     try:
         from maskconv_kernels.triton import Configs, ops as triton_ops
 
@@ -172,10 +276,10 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
             .astype(jnp.float32).sum(), (0, 1))).lower(x, k)
     except Exception as e:  # noqa: BLE001 - no triton / jax-triton here
         row("triton", "all", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-        return rows
+        return
     p = triton_ops.problem(spec, batch, dtype)
     tuned, timings = triton_ops.tuned(), triton_ops.timings()
-    for kind in ("fwd", "dx", "dw"):
+    for kind in KINDS:
         if time.perf_counter() > deadline or (kind, p) not in tuned:
             break
         best = tuned[(kind, p)]
@@ -187,7 +291,22 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
             continue
         row("triton", kind, t, tile=dataclasses.asdict(best),
             autotune={json.dumps(dataclasses.asdict(cfg)): s * 1e3 for cfg, s in timings.get((kind, p), {}).items()})
-    return rows
+
+
+def mgpu_sweep(shape, dtype_name, cpu_check, by_kind: dict, default: Tiles, args, row):
+    """Compiles (in parallel) and times ``{kind: {key: Tiles}}`` of the Mosaic GPU kernels, one row each."""
+    fns = {(kind, key): one_kernel(kind, shape, "pallas_mosaic_gpu", tiles, cpu_check)
+           for kind, cands in by_kind.items() for key, tiles in cands.items()}
+    if not fns:
+        return
+    compiled = _compile_all(fns, {name: args for name in fns}, f"{shape.name} {dtype_name} Mosaic GPU tiles")
+    for (kind, key), c in compiled.items():
+        # Interpreted (CPU check) calls take seconds each: one timed call is enough to test the script.
+        t = c if isinstance(c, str) else time_fn(c, args, **(dict(samples=1, warmup=0) if cpu_check else {}))
+        extra = dict(tile=list(key), default=key == mgpu_key(kind, default))
+        if not cpu_check:  # the prediction is for the full batch
+            extra["predicted_ms"] = predicted_ms(shape, kind, by_kind[kind][key])
+        row("pallas_mosaic_gpu", kind, t, **extra)
 
 
 def one_kernel(kind: str, shape: BenchShape, implementation: str, config, interpret: bool):
@@ -211,8 +330,8 @@ def table(rows: list[dict]) -> str:
     lines = []
     for (shape, dtype) in dict.fromkeys((r["shape"], r["dtype"]) for r in rows):
         sub = [r for r in rows if r["shape"] == shape and r["dtype"] == dtype]
-        lines += [f"\n### {shape} {dtype}", "| impl | kernel | tile (m,n,k,warps,stages) | ms | TFLOP/s |",
-                  "|---|---|---|---:|---:|"]
+        lines += [f"\n### {shape} {dtype}", "| impl | kernel | tile | ms | TFLOP/s | predicted ms |",
+                  "|---|---|---|---:|---:|---:|"]
         for r in sub:
             tile = r.get("tile", "")
             if isinstance(tile, dict):
@@ -222,17 +341,20 @@ def table(rows: list[dict]) -> str:
                 tile = ",".join(map(str, tile)) + (" (default)" if r.get("default") else "")
             ms = f"{r['ms']:.3f}" if "ms" in r else r["error"][:80]
             tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
-            lines.append(f"| {r['impl']} | {r['kind']} | {tile} | {ms} | {tf} |")
+            pred = f"{r['predicted_ms']:.3f}" if r.get("predicted_ms") else ""
+            lines.append(f"| {r['impl']} | {r['kind']} | {tile} | {ms} | {tf} | {pred} |")
         best = {}
         for r in sub:
             if "ms" in r and r["kind"] in ("fwd", "dx", "dw"):
                 key = (r["impl"], r["kind"])
                 best[key] = min(best.get(key, np.inf), r["ms"])
-        for impl in ("pallas_triton", "triton"):
+        for impl in ("pallas_triton", "triton", "pallas_mosaic_gpu"):
             if all((impl, kd) in best for kd in ("fwd", "dx", "dw")):
                 ours = sum(best[(impl, kd)] for kd in ("fwd", "dx", "dw"))
                 cudnn = sum(best.get(("baseline", kd), np.nan) for kd in ("fwd", "dx", "dw"))
                 lines.append(f"\nbest {impl} fwd+dx+dw {ours:.3f} ms vs cuDNN {cudnn:.3f} ms: {cudnn / ours:.2f}x")
+    lines += ["", "tile: pallas_triton (m,n,k,warps,stages); triton its config; pallas_mosaic_gpu fwd/dx "
+              "(tile_pixels,tile_n,block_k,max_concurrent_steps), dw (tile_n,max_concurrent_steps,weight_grad_splits)."]
     return "\n".join(lines)
 
 
@@ -241,8 +363,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later shapes/kernels are skipped")
     parser.add_argument("--out", default="tune.json")
+    parser.add_argument("--shapes", help="regex on the acceptance shapes' names (default: both)")
+    ours = ["pallas_triton", "triton", "pallas_mosaic_gpu"]
+    parser.add_argument("--implementations", nargs="+", default=ours, choices=ours,
+                        help="ours to time (cuDNN always runs)")
     parser.add_argument("--cpu-check", action="store_true",
-                        help="batch 1, Pallas interpreted: checks this script on a machine without a GPU")
+                        help="batch 1, kernels interpreted: checks this script on a machine without a GPU")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.cpu_check:
         print("benchmarks.tune times compiled GPU kernels; this machine has none", file=sys.stderr)
@@ -250,13 +376,14 @@ def main(argv=None) -> int:
     deadline = time.perf_counter() + args.budget
     rows, meta = [], metadata("tune")
     for dtype_name in args.dtypes:
-        for shape in BAR_SHAPES:
+        for shape in [s for s in BAR_SHAPES if args.shapes is None or re.search(args.shapes, s.name)]:
             if time.perf_counter() > deadline:
                 break
             done = list(rows)
             write = lambda new, done=done: Path(args.out).write_text(
                 json.dumps({"meta": meta, "rows": done + new}, indent=1))
-            rows += tune_shape(shape, dtype_name, deadline, args.cpu_check, flush=write)
+            rows += tune_shape(shape, dtype_name, deadline, args.cpu_check, flush=write,
+                               implementations=tuple(args.implementations))
             print(table([r for r in rows if r["shape"] == shape.name and r["dtype"] == dtype_name]), flush=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
