@@ -37,7 +37,6 @@ import numpy as np
 from maskconv_kernels.hardware import SM_COUNT
 from maskconv_kernels.mosaic_gpu import Tiles, grid
 from maskconv_kernels.mosaic_gpu.config import stages, weight_grad_splits
-from maskconv_kernels.mosaic_gpu.kernels import _largest_divisor  # the split count the kernel really takes
 from maskconv_kernels.problem import kernel_problem
 from maskconv_kernels.spec import make_spec
 
@@ -119,7 +118,7 @@ def tap_weight_grad(p, g, t: Tiles, batch, a: Assumptions) -> dict:
     taps = len(g.rows)
     chunks = batch * g.out_hw[0] * g.width // chunk
     base = taps * (ci_pad // bci) * (co_pad // tn)
-    splits = _largest_divisor(chunks, weight_grad_splits(t, base, chunks))
+    splits = weight_grad_splits(t, base, chunks)
     steps = chunks // splits
     n_stages = stages(t, chunk * (bci + tn) * BF16, bci * tn * 4)
     s = _schedule(base * splits, steps, 2 * bci * tn * chunk, n_stages * chunk * (bci + tn) * BF16 + bci * tn * 4, a)

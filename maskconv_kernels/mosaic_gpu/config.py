@@ -41,8 +41,11 @@ class Tiles:
       block_k: channels per reduction step (one TMA box of ``tile_pixels x block_k``): 16,
         32 or 64.
       max_concurrent_steps: TMA boxes in flight per program (pipeline stages), 1 to 8.
-      weight_grad_splits: how many ranges the weight gradient's pixel reduction is split
-        into; ``None``: enough programs for every SM.
+      weight_grad_splits: the most ranges the weight gradient's pixel reduction may be
+        split into; ``None``: enough programs for every SM (:func:`weight_grad_splits`).
+      warp_specialized: forward and input gradient with a TMA producer warpgroup and two
+        ``wgmma`` consumer warpgroups (tiles of ``2 * tile_pixels`` pixels), as jax's Hopper
+        matmul; ``False``: one warpgroup issues both.
     """
 
     tile_pixels: int = 64
@@ -50,6 +53,7 @@ class Tiles:
     block_k: int = 64
     max_concurrent_steps: int = 3
     weight_grad_splits: int | None = None
+    warp_specialized: bool = True
 
     def __post_init__(self):
         for field, allowed in (("tile_pixels", _PIXEL_TILES), ("tile_n", _TILE_N), ("block_k", _BLOCK_K)):
@@ -64,6 +68,8 @@ class Tiles:
         steps = self.max_concurrent_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 8:
             raise ValueError(f"Tiles.max_concurrent_steps must be an int from 1 to 8, got {steps!r}")
+        if not isinstance(self.warp_specialized, bool):
+            raise ValueError(f"Tiles.warp_specialized must be a bool, got {self.warp_specialized!r}")
         splits = self.weight_grad_splits
         if splits is not None and (isinstance(splits, bool) or not isinstance(splits, (int, np.integer)) or splits < 1):
             raise ValueError(f"Tiles.weight_grad_splits must be None or a positive int, got {splits!r}")
@@ -92,10 +98,16 @@ def stages(tiles: Tiles, step_bytes: int, fixed_bytes: int) -> int:
     return max(2, min(tiles.max_concurrent_steps, fit))
 
 
-def weight_grad_splits(tiles: Tiles, programs: int, steps: int) -> int:
-    """Splits of the weight gradient's reduction: fill every SM about twice, each split at
-    least 8 reduction steps (its partial sums are float32 ``[T, C_in, C_out]``)."""
-    if tiles.weight_grad_splits is not None:
-        return max(1, min(tiles.weight_grad_splits, steps))
-    wanted = -(-2 * SM_COUNT // max(programs, 1))
-    return max(1, min(wanted, steps // 8))
+def weight_grad_splits(tiles: Tiles, programs: int, chunks: int) -> int:
+    """Splits of the weight gradient's reduction over ``chunks`` pixel chunks: a divisor of ``chunks``.
+
+    ``programs`` (active taps x channel tiles) is often a few dozen while the reduction
+    runs over every pixel of the batch. Of the divisors that keep at least 8 steps per
+    split and at most twice the splits that fill every SM, the one that wastes least of
+    the last wave (``ceil(programs * s / SMs) / s``, the time in units of one unsplit
+    program); ties go to fewer splits (fewer float32 partial sums to add).
+    ``tiles.weight_grad_splits`` fixes the largest allowed instead.
+    """
+    wanted = tiles.weight_grad_splits or 2 * -(-SM_COUNT // max(programs, 1))
+    allowed = [s for s in range(1, min(wanted, max(chunks // 8, 1)) + 1) if chunks % s == 0]
+    return min(allowed, key=lambda s: (-(-programs * s // SM_COUNT) / s, s))

@@ -112,7 +112,7 @@ def _tap_conv(a, k, job, out_dtype, g: _grid.Grid, transpose: bool, name: str):
     # 16-bit dtype, as cuDNN's 16-bit backward passes take it: wgmma's float32 mode (TF32)
     # takes K-major operands only.
     a, k = a.astype(job.dtype), k.astype(job.dtype)
-    copies = _grid.copies(a, g, k_pad, tail=t.tile_pixels)
+    copies = _grid.copies(a, g, k_pad, tail=2 * t.tile_pixels)  # the last tile's boxes, read past the end
     w = _tap_weights(k, job.problem.taps, transpose, k_pad, n_pad)
     out = kernels.tap_gemm(copies, w, g, t, batch, out_dtype, interpret=job.interpret, name=name)
     per_image = out.shape[0] // batch

@@ -2,21 +2,21 @@
 
 A stride-1 masked convolution is a sum of shifted GEMMs: output pixel ``(oh, ow)`` of tap
 ``t`` reads operand pixel ``(oh + rows[t] + row0, ow + cols[t] + col0)`` with
-``rows[t], cols[t] >= 0``. Laid out on a grid ``Wp`` pixels wide, that is the operand's
-flat row ``r + rows[t] * Wp + cols[t]`` for output flat row ``r``: one 2-D TMA box per
-(active tap, channel block), no gather. Masked taps have no box at all.
+``rows[t], cols[t] >= 0``. One 2-D TMA box per (active tap, channel block) reads a run
+of output rows' operands, no gather; masked taps have no box at all.
 
-TMA boxes into wgmma's tiled shared memory must start on a multiple of 8 rows. ``Wp`` is a
-multiple of 8, so ``rows[t] * Wp`` always is; the column offsets ``cols[t]`` are not, so
-the operand is materialised once per distinct column offset ``c`` (``copies[d][r] =
-grid[r + c]``, zero in the columns past the output's width), and tap ``t`` reads copy
-``d(t)`` at ``r + rows[t] * Wp``: every box starts on a multiple of 8. A 3x3 type-B mask
-makes 3 copies, a 7x7 type-A mask 7, a WaveNet tap pair 2.
+TMA boxes into wgmma's tiled shared memory must start on a multiple of 8 rows. The
+operand is materialised once per distinct column offset ``c``: copy ``d`` holds, at grid
+pixel ``(i, j)``, operand pixel ``(i + row0, j + c + col0)`` for ``j < W_o`` and zero for
+``j`` up to the grid width ``Wp``, ``W_o`` rounded up to a multiple of 8. Tap ``t`` then
+reads copy ``d(t)`` at flat row ``r + rows[t] * Wp``: every box starts on a multiple of 8,
+and the only outputs computed past the valid ones are the rounding of ``W_o`` (none at
+32x32) and of the last tile. A 3x3 type-B mask makes 3 copies, a 7x7 type-A mask 7, a
+WaveNet tap pair 2.
 
-Outputs computed at the grid's extra columns (``Wp`` past the output's width) are
-discarded; the copies are zero there, which the weight gradient relies on: it reduces
-over whole grid rows, and a product of a zero operand column with a zero cotangent is
-zero, never ``0 * nan``.
+Outputs computed at the grid's extra columns are discarded; the copies are zero there,
+which the weight gradient relies on: it reduces over whole grid rows, and a product of
+a zero operand column with a zero cotangent is zero, never ``0 * nan``.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ class Grid:
       out_hw: the result's valid spatial shape ``(H_o, W_o)``.
       origin: operand pixel of grid pixel ``(0, 0)``: ``(row0, col0)`` (negative: zero padding).
       height: grid rows per image (``H_o`` plus the largest row offset).
-      width: grid columns ``Wp``: at least ``W_o`` plus the largest column offset, a
-        multiple of ``align``.
+      width: grid columns ``Wp``: ``W_o`` rounded up to a multiple of ``align`` (each copy
+        is already shifted by its column offset).
       rows: per active tap, its row offset (grid rows).
       cols: per active tap, its column offset (pixels).
       align: what ``width`` is a multiple of (8: TMA into tiled shared memory; the weight
@@ -94,10 +94,9 @@ class Grid:
 
 
 def _grid(p: KernelProblem, in_hw, out_hw, origin, rows, cols, align: int) -> Grid:
-    width = out_hw[1] + max(cols)
     return Grid(
         in_hw=tuple(in_hw), out_hw=tuple(out_hw), origin=tuple(origin),
-        height=out_hw[0] + max(rows), width=_round_up(width, align),
+        height=out_hw[0] + max(rows), width=_round_up(out_hw[1], align),
         rows=tuple(rows), cols=tuple(cols), align=align,
     )
 

@@ -58,6 +58,13 @@ def _params():
 def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: bool, name: str):
     """``out[r] = sum_t a[d(t), r + shift(t)] @ w[t]``, per image, over the grid's output rows.
 
+    Persistent: one program per SM walks the (pixel tile, channel tile) grid, channel
+    tiles innermost so that programs running together read the same operand boxes (L2).
+    Warp-specialized (``tiles.warp_specialized``, jax's Hopper matmul's structure): a
+    producer warpgroup issues the TMA boxes, two consumer warpgroups each run ``wgmma`` on
+    half of a ``2 * tile_pixels``-row tile; else one warpgroup does both, the pipeline
+    keeping ``max_concurrent_steps`` boxes in flight.
+
     Args:
       a: ``[D, rows, K]`` (:func:`.grid.copies`), 16-bit, ``K`` a multiple of ``tiles.block_k``.
       w: ``[T * K, N]``, the dtype of ``a``: tap ``t``'s ``[K, N]`` block, ``N`` a multiple of
@@ -65,75 +72,109 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
       g: the grid; ``batch``: images.
 
     Returns:
-      ``[batch * per_image, N]`` of ``out_dtype``, ``per_image = ceil(H_o * Wp / tile_pixels)
-      * tile_pixels`` rows per image (:func:`.grid.crop` takes the valid ones).
+      ``[batch * per_image, N]`` of ``out_dtype``, ``per_image``: an image's ``H_o * Wp`` grid
+      rows rounded up to whole tiles (:func:`.grid.crop` takes the valid ones).
     """
-    _, _, k_pad = a.shape
-    n_pad = w.shape[1]
     tm, tn, bk = tiles.tile_pixels, tiles.tile_n, tiles.block_k
-    k_blocks = k_pad // bk
+    groups = 2 if tiles.warp_specialized else 1  # consumer warpgroups, tm rows each
+    cta_m = groups * tm
+    k_blocks = a.shape[2] // bk
     steps = len(g.rows) * k_blocks
-    tiles_per_image = -(-g.out_hw[0] * g.width // tm)
+    tiles_per_image = -(-g.out_hw[0] * g.width // cta_m)
+    m_tiles, n_tiles = batch * tiles_per_image, w.shape[1] // tn
     shifts, copy_of = g.shifts(), g.copy_index
     operands = _transforms(min(bk, tn), a.dtype)
-    out_itemsize = jnp.dtype(out_dtype).itemsize
+    n_stages = stages(tiles, (cta_m + tn) * bk * a.dtype.itemsize, cta_m * tn * jnp.dtype(out_dtype).itemsize)
 
-    m_tiles, n_tiles = batch * tiles_per_image, n_pad // tn
-
-    def body(a_ref, w_ref, out_ref, out_smem):
-        # Persistent: one program per SM walks the (pixel tile, channel tile) grid, channel
-        # tiles innermost so that neighbouring programs read the same boxes (L2 reuse).
-        @plgpu.nd_loop((m_tiles, n_tiles), collective_axes="sm")
-        def _tile(info):
-            m, n = info.index
-            tile(a_ref, w_ref, out_ref, out_smem, m, n)
-
-    def tile(a_ref, w_ref, out_ref, out_smem, m, n):
-        base = (m // tiles_per_image) * g.image_rows + (m % tiles_per_image) * tm
+    def in_specs(m, n):
+        base = (m // tiles_per_image) * g.image_rows + (m % tiles_per_image) * cta_m
 
         def a_block(k):
             t = k // k_blocks
             return _select(t, copy_of), pl.multiple_of(base + _select(t, shifts), 8), k % k_blocks
 
-        def step(_, a_smem, w_smem, acc):
-            plgpu.wgmma(acc, a_smem, w_smem)
-            plgpu.wgmma_wait(1)  # the previous step's boxes are free once its wgmma is done
-            return acc
+        return [
+            plgpu.BlockSpec((None, pl.Element(cta_m), bk), a_block, transforms=operands, delay_release=1),
+            plgpu.BlockSpec((bk, tn), lambda k: (k, n), transforms=operands, delay_release=1),
+        ]
 
-        def scope(acc):
-            plgpu.emit_pipeline(
-                step,
-                grid=(steps,),
-                in_specs=[
-                    plgpu.BlockSpec((None, pl.Element(tm), bk), a_block, transforms=operands, delay_release=1),
-                    plgpu.BlockSpec((bk, tn), lambda k: (k, n), transforms=operands, delay_release=1),
-                ],
-                max_concurrent_steps=stages(tiles, (tm + tn) * bk * a.dtype.itemsize, tm * tn * out_itemsize),
-                init_carry=acc,
-            )(a_ref, w_ref)
-            plgpu.wgmma_wait(0)
-            out_smem[...] = acc[...].astype(out_smem.dtype)
-            plgpu.commit_smem()
-            rows = pl.ds(pl.multiple_of(m * tm, tm), tm)
-            plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, pl.ds(pl.multiple_of(n * tn, tn), tn)])
-            plgpu.wait_smem_to_gmem(0)
+    def mma(acc, a_smem, w_smem, group):
+        plgpu.wgmma(acc, a_smem.at[pl.ds(group * tm, tm)] if groups > 1 else a_smem, w_smem)
+        plgpu.wgmma_wait(1)  # the previous step's boxes are free once its wgmma is done
+        return acc
 
-        pl.run_scoped(scope, plgpu.ACC((tm, tn), jnp.float32))
+    def store(acc, out_smem, out_ref, m, n, group):
+        out_smem[...] = acc[...].astype(out_smem.dtype)
+        plgpu.commit_smem()
+        rows = pl.ds(pl.multiple_of(m * cta_m + group * tm, tm), tm)
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows, pl.ds(pl.multiple_of(n * tn, tn), tn)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # out_smem is free for the next tile
 
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((batch * tiles_per_image * tm, n_pad), out_dtype),
-        scratch_types=[plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(tn, out_dtype))],
+    def plain(a_ref, w_ref, out_ref, out_smem):
+        @plgpu.nd_loop((m_tiles, n_tiles), collective_axes="sm")
+        def _tile(info):
+            m, n = info.index
+
+            def scope(acc):
+                plgpu.emit_pipeline(
+                    lambda _, a_smem, w_smem, acc: mma(acc, a_smem, w_smem, 0),
+                    grid=(steps,), in_specs=in_specs(m, n), max_concurrent_steps=n_stages, init_carry=acc,
+                )(a_ref, w_ref)
+                plgpu.wgmma_wait(0)
+                store(acc, out_smem, out_ref, m, n, 0)
+
+            pl.run_scoped(scope, plgpu.ACC((tm, tn), jnp.float32))
+
+        plgpu.wait_smem_to_gmem(0)
+
+    def pipeline(m, n, body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), in_specs=in_specs(m, n), memory_registers=40, wg_axis="wg",
+            num_compute_wgs=groups, max_concurrent_steps=n_stages, compute_context=context,
+        )
+
+    def specialized(a_ref, w_ref, out_ref):
+        zero, ignore = jnp.int32(0), lambda *_, **__: None
+
+        # The pipeline's buffers are allocated once, outside the tile loop: no
+        # synchronisation between tiles beyond the pipeline's own barriers.
+        @functools.partial(
+            pl.run_scoped,
+            allocations=pipeline(zero, zero, ignore, ignore).get_allocations(a_ref, w_ref),
+            out_smem=plgpu.SMEM((groups, tm, tn), out_dtype, transforms=_transforms(tn, out_dtype)),
+            collective_axes="wg",
+        )
+        def _scope(allocations, out_smem):
+            group = lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_tiles, n_tiles), collective_axes="sm")
+            def _tile(info):
+                m, n = info.index
+
+                def context(run):
+                    def scope(acc):
+                        run(acc)
+                        store(acc, out_smem.at[group], out_ref, m, n, group)
+
+                    pl.run_scoped(scope, plgpu.ACC((tm, tn), jnp.float32))
+
+                body = lambda _, a_smem, w_smem, acc: mma(acc, a_smem, w_smem, group)
+                pipeline(m, n, body, context)(a_ref, w_ref, allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    launch = dict(
+        out_type=jax.ShapeDtypeStruct((m_tiles * cta_m, w.shape[1]), out_dtype),
         grid=(min(SM_COUNT, m_tiles * n_tiles),),
         grid_names=("sm",),
         compiler_params=_params(),
         interpret=_interpret(interpret),
         kernel_name=name,
-    )(a, w)
-
-
-def _largest_divisor(n: int, at_most: int) -> int:
-    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+    )
+    if groups > 1:
+        return plgpu.kernel(specialized, num_threads=groups + 1, thread_name="wg", **launch)(a, w)
+    scratch = [plgpu.SMEM((tm, tn), out_dtype, transforms=_transforms(tn, out_dtype))]
+    return plgpu.kernel(plain, scratch_types=scratch, **launch)(a, w)
 
 
 def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, interpret: bool):
@@ -145,7 +186,7 @@ def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, in
       dy: ``[batch * H_o * Wp, C_out]`` (:func:`.grid.rows_of`), the dtype of ``x``,
         ``C_out`` a multiple of ``tiles.tile_n``.
       g: :func:`.grid.weight_grad_grid` (whole chunks tile each image's valid rows).
-      splits: ranges of the pixel reduction (a divisor of the chunk count is taken).
+      splits: ranges of the pixel reduction, a divisor of the chunk count (:func:`.config.weight_grad_splits`).
 
     Returns:
       ``[splits, T, C_in, C_out]`` float32 partial sums (added in order by the core).
@@ -157,7 +198,7 @@ def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, in
     ci_tiles, co_tiles = ci_pad // bci, co_pad // tn
     per_image = g.out_hw[0] * g.width // chunk  # chunks of an image's valid rows
     chunks = batch * per_image
-    splits = _largest_divisor(chunks, splits)
+    assert chunks % splits == 0, (chunks, splits)
     steps = chunks // splits
     shifts, copy_of = g.shifts(), g.copy_index
     operands = _transforms(min(bci, tn), x.dtype)
