@@ -67,17 +67,23 @@ CANDIDATES = {
 }
 
 
-# Mosaic GPU tiles around the default (128, 128, 64, 3 at these shapes), one field at a time
-# first. fwd / dx: (tile_pixels, tile_n, block_k, max_concurrent_steps); tile_pixels *
-# tile_n is at most 128 * 128 (the accumulator is one warpgroup's registers), so tile_n 256
-# goes with 64-pixel tiles. The weight gradient reads neither tile_pixels nor block_k (its
-# tiles are 64 input channels x tile_n, reduced over the grid's 64/128-pixel chunks), so
-# its sweep is (tile_n, max_concurrent_steps, weight_grad_splits) instead: sweeping the
-# unread fields would compile the same kernel again.
+# Mosaic GPU tiles around the default ((128, 128, 64, 3), warp-specialized, at these
+# shapes). fwd / dx: (tile_pixels, tile_n, block_k, max_concurrent_steps, warp_specialized);
+# tile_pixels * tile_n is at most 128 * 128 (one warpgroup's accumulator), and
+# warp-specialized a CTA's tile is 2 * tile_pixels rows (two consumer warpgroups). Stages
+# are capped by shared memory (at 128x128x64 warp-specialized, 3 is the most), so the
+# candidates avoid counts that would clamp to another's kernel. warp_specialized=False
+# runs the same tiles with one warpgroup: the first comparison to read. The weight
+# gradient reads neither tile_pixels, block_k nor warp_specialized (its tiles are 64 input
+# channels x tile_n, reduced over the grid's 64/128-pixel chunks), so its sweep is
+# (tile_n, max_concurrent_steps, weight_grad_splits): splits is a cap, the kernel takes the
+# divisor of its chunk count up to it that wastes least of the last wave, ties to fewer
+# (3x3B: 1, 4, 16 give 1, 2, 16 splits, the default 8; 7x7A: only 1 differs from its 2).
 MGPU_CANDIDATES = {
-    "fwd": [(64, 128, 64, 3), (128, 64, 64, 3), (64, 256, 64, 3), (128, 128, 32, 3), (128, 128, 64, 2),
-            (128, 128, 64, 4), (64, 256, 64, 4), (128, 64, 32, 4)],
-    "dw": [(64, 3, None), (256, 2, None), (128, 2, None), (128, 4, None), (128, 3, 1), (128, 3, 4), (128, 3, 8)],
+    "fwd": [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 256, 64, 4, False),
+            (128, 128, 32, 6, True), (64, 128, 64, 4, True), (64, 256, 64, 3, True), (128, 64, 64, 4, True),
+            (128, 128, 64, 2, True)],
+    "dw": [(64, 3, None), (256, 2, None), (128, 2, None), (128, 4, None), (128, 3, 1), (128, 3, 4), (128, 3, 16)],
 }
 MGPU_CANDIDATES["dx"] = MGPU_CANDIDATES["fwd"]
 
@@ -86,7 +92,7 @@ def mgpu_key(kind: str, t: Tiles) -> tuple:
     """The fields of ``t`` that ``kind``'s kernel reads (rows' ``tile``)."""
     if kind == "dw":
         return (t.tile_n, t.max_concurrent_steps, t.weight_grad_splits)
-    return (t.tile_pixels, t.tile_n, t.block_k, t.max_concurrent_steps)
+    return (t.tile_pixels, t.tile_n, t.block_k, t.max_concurrent_steps, t.warp_specialized)
 
 
 def mgpu_tiles(kind: str, cand) -> Tiles:
@@ -95,7 +101,8 @@ def mgpu_tiles(kind: str, cand) -> Tiles:
         tn, steps, splits = cand
         # tile_pixels is unread by the weight gradient; 64 keeps tile_pixels * tile_n valid.
         return Tiles(tile_pixels=64, tile_n=tn, block_k=64, max_concurrent_steps=steps, weight_grad_splits=splits)
-    return Tiles(*cand)
+    tm, tn, bk, steps, ws = cand
+    return Tiles(tile_pixels=tm, tile_n=tn, block_k=bk, max_concurrent_steps=steps, warp_specialized=ws)
 
 
 def predicted_ms(shape: BenchShape, kind: str, tiles: Tiles):
@@ -354,7 +361,7 @@ def table(rows: list[dict]) -> str:
                 cudnn = sum(best.get(("baseline", kd), np.nan) for kd in ("fwd", "dx", "dw"))
                 lines.append(f"\nbest {impl} fwd+dx+dw {ours:.3f} ms vs cuDNN {cudnn:.3f} ms: {cudnn / ours:.2f}x")
     lines += ["", "tile: pallas_triton (m,n,k,warps,stages); triton its config; pallas_mosaic_gpu fwd/dx "
-              "(tile_pixels,tile_n,block_k,max_concurrent_steps), dw (tile_n,max_concurrent_steps,weight_grad_splits)."]
+              "(tile_pixels,tile_n,block_k,max_concurrent_steps,warp_specialized), dw (tile_n,max_concurrent_steps,weight_grad_splits)."]
     return "\n".join(lines)
 
 
