@@ -189,7 +189,7 @@ def tables(rows) -> str:
     for r in rows:
         g = r["grid"]
         out.append(
-            f"| {r['shape']} | {r['kernel']} | {r['desc']} | {g.height} x {g.width}, {len(g.distinct_cols)} "
+            f"| {r['shape']} | {r['kernel']} | {r['desc']} | {g.height} x {g.width}, {len(g.distinct_copies)} "
             f"| {r['tiles']} | {r['programs']} ({r['per_sm']}, {r['smem_kib']:.0f} KiB, {r['threads']}) "
             f"| {r['rounds'] * r['per_sm']} ({r['last']}/{r['slots']}) | {r['steps']} "
             f"| {r['executed'] / 1e9:.1f} (+{100 * (r['executed'] / r['useful'] - 1):.0f}%) "

@@ -52,8 +52,6 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
         )
     if any(s != 1 for s in spec.strides):
         return f"strides={spec.strides} (the kernels' shifted GEMMs are stride 1)"
-    if any(t.in_channels is not None or t.out_channels is not None for t in spec.mask.terms):
-        return "channel-partial masks (per-channel-group taps, e.g. PixelCNN's RGB masks)"
     if interpret or platform is None:
         return None
     if platform not in ("cuda", "gpu"):
@@ -92,31 +90,77 @@ def _check_size(rows: int):
         )
 
 
-def _tap_weights(k, taps, transpose: bool, k_pad: int, n_pad: int):
-    """``[T * k_pad, n_pad]``: the active taps' ``[C_in, C_out]`` (``[C_out, C_in]`` transposed), zero-padded."""
-    w = jnp.stack([k[i, j] for i, j in taps])
-    if transpose:
-        w = jnp.swapaxes(w, 1, 2)
-    w = jnp.pad(w, ((0, 0), (0, k_pad - w.shape[1]), (0, n_pad - w.shape[2])))
-    return w.reshape(len(taps) * k_pad, n_pad)
+def _has(runs, channel: int) -> bool:
+    return runs is None or any(start <= channel < stop for start, stop in runs)
 
 
-def _tap_conv(a, k, job, out_dtype, g: _grid.Grid, transpose: bool, name: str):
-    """The forward (``transpose=False``) or the input gradient on the grid ``g``."""
-    t = _tiles(job)
+def _classes(pieces, channels: int, transpose: bool):
+    """The result channels grouped by the pieces that write them: ``[(pieces, channels)]``.
+
+    A window mask has one class, every piece writing every channel. A channel-partial
+    mask (PixelCNN's R, G, B groups) has one per group: each is its own tap GEMM over the
+    pieces that reach it, so no product joins channels the mask keeps apart.
+    """
+    owners: dict[tuple, list[int]] = {}
+    for c in range(channels):
+        members = tuple(i for i, piece in enumerate(pieces) if _has(piece.in_runs if transpose else piece.out_runs, c))
+        owners.setdefault(members, []).append(c)
+    return [(tuple(pieces[i] for i in members), tuple(cs)) for members, cs in owners.items()]
+
+
+def _tap_weights(k, pieces, reads, results, transpose: bool, k_pad: int, n_pad: int):
+    """``[T * k_pad, n_pad]``: per piece, ``k[tap]`` as ``[read channels, result channels]``.
+
+    Rows a piece does not read are zero by a select (a masked kernel entry, even NaN, is
+    never read); columns are the class's result channels; zero-padded.
+    """
+    blocks = []
+    for piece, runs in zip(pieces, reads):
+        w = k[piece.tap]  # [C_in, C_out]
+        w = jnp.swapaxes(w, 0, 1) if transpose else w
+        w = jnp.where(_grid.channel_mask(runs, w.shape[0])[:, None], w, jnp.zeros((), w.dtype))
+        w = w[:, np.asarray(results)] if len(results) != w.shape[1] else w
+        blocks.append(jnp.pad(w, ((0, k_pad - w.shape[0]), (0, n_pad - w.shape[1]))))
+    return jnp.concatenate(blocks)
+
+
+def _tap_conv(a, k, job, out_dtype, transpose: bool, name: str):
+    """The forward (``transpose=False``) or the input gradient, one tap GEMM per channel class."""
+    t, p = _tiles(job), job.problem
     batch, c_a = a.shape[0], a.shape[-1]
-    c_out = k.shape[2] if transpose else k.shape[3]
-    k_pad, n_pad = _round_up(c_a, t.block_k), _round_up(c_out, t.tile_n)
-    _check_size(batch * g.image_rows)
+    c_result = p.c_in if transpose else p.c_out
     # A float32 cotangent (preferred_element_type=float32) is rounded to the inputs'
     # 16-bit dtype, as cuDNN's 16-bit backward passes take it: wgmma's float32 mode (TF32)
     # takes K-major operands only.
     a, k = a.astype(job.dtype), k.astype(job.dtype)
-    copies = _grid.copies(a, g, k_pad, tail=2 * t.tile_pixels)  # the last tile's boxes, read past the end
-    w = _tap_weights(k, job.problem.taps, transpose, k_pad, n_pad)
-    out = kernels.tap_gemm(copies, w, g, t, batch, out_dtype, interpret=job.interpret, name=name)
-    per_image = out.shape[0] // batch
-    return _grid.crop(out, g, batch, per_image, c_out)
+    make_grid = _grid.input_grad_grid if transpose else _grid.forward_grid
+    parts, order = [], []
+    for pieces, results in _classes(p.pieces, c_result, transpose):
+        order += results
+        if not pieces:  # channels no active entry writes: exact zeros
+            parts.append(jnp.zeros((batch, *(p.in_hw if transpose else p.out_hw), len(results)), out_dtype))
+            continue
+        reads = tuple(piece.out_runs if transpose else piece.in_runs for piece in pieces)
+        g = make_grid(p, taps=tuple(piece.tap for piece in pieces), reads=reads)
+        _check_size(batch * g.image_rows)
+        k_pad, n_pad = _round_up(c_a, t.block_k), _round_up(len(results), t.tile_n)
+        copies = _grid.copies(a, g, k_pad, tail=2 * t.tile_pixels)  # the last tile's boxes read past the end
+        w = _tap_weights(k, pieces, reads, results, transpose, k_pad, n_pad)
+        out = kernels.tap_gemm(copies, w, g, t, batch, out_dtype, interpret=job.interpret, name=name)
+        parts.append(_grid.crop(out, g, batch, out.shape[0] // batch, len(results)))
+    y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    return y if order == sorted(order) else y[..., np.argsort(order)]
+
+
+def _allowed(p) -> np.ndarray | None:
+    """Bool ``[T, C_in, C_out]``: the channel pairs each active tap joins; ``None`` when all are."""
+    if not p.has_partial_taps:
+        return None
+    allowed = np.zeros((len(p.taps), p.c_in, p.c_out), bool)
+    index = {tap: i for i, tap in enumerate(p.taps)}
+    for piece in p.pieces:
+        allowed[index[piece.tap]] |= np.outer(_grid.channel_mask(piece.in_runs, p.c_in), _grid.channel_mask(piece.out_runs, p.c_out))
+    return allowed
 
 
 def _host_when_interpreted(kernel):
@@ -149,13 +193,13 @@ def _interpreted(kernel, job, out_dtype):
 @_host_when_interpreted
 def forward(x, k, job, out_dtype):
     """``y: [N, OH, OW, C_out]`` from ``x: [N, H, W, C_in]``, ``k: [KH, KW, C_in, C_out]``."""
-    return _tap_conv(x, k, job, out_dtype, _grid.forward_grid(job.problem), False, "maskconv_mgpu_forward")
+    return _tap_conv(x, k, job, out_dtype, False, "maskconv_mgpu_forward")
 
 
 @_host_when_interpreted
 def input_grad(dy, k, job, out_dtype):
     """``dx: [N, H, W, C_in]`` from ``dy: [N, OH, OW, C_out]``: the transpose of :func:`forward` in ``x``."""
-    return _tap_conv(dy, k, job, out_dtype, _grid.input_grad_grid(job.problem), True, "maskconv_mgpu_input_grad")
+    return _tap_conv(dy, k, job, out_dtype, True, "maskconv_mgpu_input_grad")
 
 
 @_host_when_interpreted
@@ -167,10 +211,13 @@ def weight_grad(x, dy, job, out_dtype):
     g = _grid.weight_grad_grid(p)
     _check_size(batch * g.image_rows)
     ci_pad, co_pad = _round_up(p.c_in, 64), _round_up(p.c_out, t.tile_n)
-    copies = _grid.copies(x, g, ci_pad, tail=0)
     x, dy = x.astype(job.dtype), dy.astype(job.dtype)  # as in _tap_conv
+    copies = _grid.copies(x, g, ci_pad, tail=0)
     rows = _grid.rows_of(dy, g, co_pad)
     chunks = batch * g.out_hw[0] * g.width // g.chunk
     splits = weight_grad_splits(t, len(p.taps) * (ci_pad // 64) * (co_pad // t.tile_n), chunks)
-    parts = kernels.tap_weight_grad(copies, rows, g, t, batch, splits, interpret=job.interpret)
-    return parts[:, :, : p.c_in, : p.c_out]
+    parts = kernels.tap_weight_grad(copies, rows, g, t, batch, splits, interpret=job.interpret)[:, :, : p.c_in, : p.c_out]
+    # Each entry of a tap's GEMM joins one input and one output channel; the pairs a
+    # channel-partial tap keeps apart are selected away (a NaN there is not multiplied in).
+    allowed = _allowed(p)
+    return parts if allowed is None else jnp.where(allowed, parts, jnp.zeros((), parts.dtype))

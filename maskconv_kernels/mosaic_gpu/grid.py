@@ -25,11 +25,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..problem import KernelProblem
 
-__all__ = ["Grid", "forward_grid", "weight_grad_grid", "input_grad_grid", "copies", "crop", "rows_of"]
+__all__ = ["Grid", "forward_grid", "weight_grad_grid", "input_grad_grid", "channel_mask", "copies", "crop", "rows_of"]
 
 
 # wgmma's K, for operands that are not K-major (both of the weight gradient's: pixels are
@@ -56,6 +57,9 @@ class Grid:
       cols: per active tap, its column offset (pixels).
       align: what ``width`` is a multiple of (8: TMA into tiled shared memory; the weight
         gradient also needs whole reduction chunks).
+      reads: per tap, the operand channels it reads (channel-partial masks), as sorted
+        ``(start, stop)`` runs, ``None`` for all; ``()``: all, for every tap. A tap's copy
+        holds zeros (selected, never multiplied) in the channels it does not read.
     """
 
     in_hw: tuple[int, int]
@@ -66,16 +70,19 @@ class Grid:
     rows: tuple[int, ...]
     cols: tuple[int, ...]
     align: int
+    reads: tuple = ()  # per tap, the operand channels it reads as (start, stop) runs; None: all
 
     @property
-    def distinct_cols(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.cols)))
+    def distinct_copies(self) -> tuple:
+        """The copies: distinct ``(column offset, channel runs)`` of the taps, sorted."""
+        reads = self.reads or (None,) * len(self.cols)
+        return tuple(sorted(set(zip(self.cols, reads)), key=lambda c: (c[0], c[1] or ())))
 
     @property
     def copy_index(self) -> tuple[int, ...]:
         """Per active tap, which copy it reads."""
-        index = {c: i for i, c in enumerate(self.distinct_cols)}
-        return tuple(index[c] for c in self.cols)
+        index = {c: i for i, c in enumerate(self.distinct_copies)}
+        return tuple(index[c] for c in zip(self.cols, self.reads or (None,) * len(self.cols)))
 
     @property
     def chunk(self) -> int:
@@ -93,21 +100,26 @@ class Grid:
         return tuple(r * self.width for r in self.rows)
 
 
-def _grid(p: KernelProblem, in_hw, out_hw, origin, rows, cols, align: int) -> Grid:
+def _grid(in_hw, out_hw, origin, rows, cols, align: int, reads) -> Grid:
     return Grid(
         in_hw=tuple(in_hw), out_hw=tuple(out_hw), origin=tuple(origin),
         height=out_hw[0] + max(rows), width=_round_up(out_hw[1], align),
-        rows=tuple(rows), cols=tuple(cols), align=align,
+        rows=tuple(rows), cols=tuple(cols), align=align, reads=tuple(reads or ()),
     )
 
 
-def forward_grid(p: KernelProblem, align: int = 8) -> Grid:
-    """``y[oh, ow] = sum_t x[oh + th*dh - pad_h, ow + tw*dw - pad_w] @ k[t]`` as a grid over ``x``."""
+def forward_grid(p: KernelProblem, align: int = 8, taps=None, reads=None) -> Grid:
+    """``y[oh, ow] = sum_t x[oh + th*dh - pad_h, ow + tw*dw - pad_w] @ k[t]`` as a grid over ``x``.
+
+    ``taps``: the taps to sum (default: the active taps), ``reads`` the input channels each
+    reads (channel-partial pieces; default: all).
+    """
+    taps = p.taps if taps is None else taps
     (dh, dw), (ph, pw) = p.dilation, p.pad_lo
-    th0, tw0 = min(t[0] for t in p.taps), min(t[1] for t in p.taps)
+    th0, tw0 = min(t[0] for t in taps), min(t[1] for t in taps)
     return _grid(
-        p, p.in_hw, p.out_hw, (th0 * dh - ph, tw0 * dw - pw),
-        [(th - th0) * dh for th, _ in p.taps], [(tw - tw0) * dw for _, tw in p.taps], align,
+        p.in_hw, p.out_hw, (th0 * dh - ph, tw0 * dw - pw),
+        [(th - th0) * dh for th, _ in taps], [(tw - tw0) * dw for _, tw in taps], align, reads,
     )
 
 
@@ -121,22 +133,28 @@ def weight_grad_grid(p: KernelProblem) -> Grid:
     return forward_grid(p, align=math.lcm(8, _CHUNK // math.gcd(p.out_hw[0], _CHUNK)))
 
 
-def input_grad_grid(p: KernelProblem, align: int = 8) -> Grid:
-    """``dx[ih, iw] = sum_t dy[ih - th*dh + pad_h, iw - tw*dw + pad_w] @ k[t]^T`` as a grid over ``dy``."""
+def input_grad_grid(p: KernelProblem, align: int = 8, taps=None, reads=None) -> Grid:
+    """``dx[ih, iw] = sum_t dy[ih - th*dh + pad_h, iw - tw*dw + pad_w] @ k[t]^T`` as a grid over ``dy``.
+
+    ``taps``, ``reads``: as :func:`forward_grid` (``reads``: the output channels of ``dy``).
+    """
+    taps = p.taps if taps is None else taps
     (dh, dw), (ph, pw) = p.dilation, p.pad_lo
-    th1, tw1 = max(t[0] for t in p.taps), max(t[1] for t in p.taps)
+    th1, tw1 = max(t[0] for t in taps), max(t[1] for t in taps)
     return _grid(
-        p, p.out_hw, p.in_hw, (ph - th1 * dh, pw - tw1 * dw),
-        [(th1 - th) * dh for th, _ in p.taps], [(tw1 - tw) * dw for _, tw in p.taps], align,
+        p.out_hw, p.in_hw, (ph - th1 * dh, pw - tw1 * dw),
+        [(th1 - th) * dh for th, _ in taps], [(tw1 - tw) * dw for _, tw in taps], align, reads,
     )
 
 
 def copies(a: jax.Array, g: Grid, channels: int, tail: int) -> jax.Array:
-    """``[D, N * height * width + tail, channels]``: the operand on the grid, once per distinct column offset.
+    """``[D, N * height * width + tail, channels]``: the operand on the grid, once per
+    distinct column offset (and channel runs, :attr:`Grid.distinct_copies`).
 
     ``a: [N, H_a, W_a, C]``. Copy ``d`` holds grid pixel ``(i, j + cols_d)`` at ``(i, j)``
     for ``j < W_o``, zeros elsewhere (the grid's extra columns, padding, the tail rows
-    that the last tiles' boxes read past the end); channels zero-padded to ``channels``.
+    that the last tiles' boxes read past the end, channels the copy's taps do not read);
+    channels zero-padded to ``channels``.
     """
     n, h, w, c = a.shape
     (row0, col0), span = g.origin, g.out_hw[1] + max(g.cols)
@@ -147,11 +165,24 @@ def copies(a: jax.Array, g: Grid, channels: int, tail: int) -> jax.Array:
     )
     out_w = g.out_hw[1]
     shifted = [
-        jnp.pad(on_grid[:, :, col:col + out_w], ((0, 0), (0, 0), (0, g.width - out_w), (0, 0)))
-        for col in g.distinct_cols
+        jnp.pad(_select_channels(on_grid[:, :, col:col + out_w], runs), ((0, 0), (0, 0), (0, g.width - out_w), (0, 0)))
+        for col, runs in g.distinct_copies
     ]
     flat = jnp.stack(shifted).reshape(len(shifted), n * g.image_rows, channels)
     return jnp.pad(flat, ((0, 0), (0, tail), (0, 0)))
+
+
+def channel_mask(runs, channels: int) -> np.ndarray:
+    """Bool ``[channels]``: the channels in ``runs`` (``None``: all)."""
+    mask = np.zeros(channels, bool) if runs is not None else np.ones(channels, bool)
+    for start, stop in runs or ():
+        mask[start:stop] = True
+    return mask
+
+
+def _select_channels(a: jax.Array, runs) -> jax.Array:
+    # A select, not a product with a 0/1 mask: a NaN in an unread channel stays out.
+    return a if runs is None else jnp.where(channel_mask(runs, a.shape[-1]), a, jnp.zeros((), a.dtype))
 
 
 def rows_of(a: jax.Array, g: Grid, channels: int, tail: int = 0) -> jax.Array:
