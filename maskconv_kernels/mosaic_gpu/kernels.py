@@ -2,9 +2,10 @@
 
 Both are ``plgpu.kernel`` bodies, written as jax's own Hopper ops are
 (``jax/experimental/pallas/ops/gpu/hopper_matmul_mgpu.py``): program indices from
-``lax.axis_index``, ``plgpu.emit_pipeline`` streaming TMA boxes into swizzled shared
-memory, ``wgmma`` into a float32 register accumulator, an epilogue through shared memory
-with a TMA store. Only active taps have a box: a masked tap is never read.
+``lax.axis_index`` (or ``plgpu.nd_loop`` over a persistent grid), ``plgpu.emit_pipeline``
+(or its warp-specialized form) streaming TMA boxes into swizzled shared memory, ``wgmma``
+into a float32 register accumulator, an epilogue through shared memory with a TMA store.
+Only active taps have a box: a masked tap is never read.
 
 Operands are the grid layouts of :mod:`.grid`; every box starts on a multiple of 8 rows,
 as TMA into tiled shared memory requires.
