@@ -51,9 +51,9 @@ def decode_spec(
         mask = Mask(window, np.ones(window, bool))
     if mask.partial_taps:
         raise NotImplementedError(
-            f"decode=True does not support channel-partial (R/G/B) masks in the Flax modules: sub-pixel steps "
-            f"exist in the functional API, maskconv_kernels.decode.make_decode_spec(mask, spatial, "
-            f"channel_groups=G), which takes this module's kernel and bias"
+            "decode=True does not support channel-partial (R/G/B) masks in the Flax modules: sub-pixel steps "
+            "exist in the functional API, maskconv_kernels.decode.make_decode_spec(mask, spatial, "
+            "channel_groups=G), which takes this module's kernel and bias"
         )
     if any(d != 1 for d in _per_dim(input_dilation, ndim)):
         raise NotImplementedError(f"decode=True supports input_dilation=1 only, got {input_dilation!r}")

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..problem import kernel_problem
 from ..spec import ConvSpec
 from . import grid as _grid
 from . import kernels
