@@ -42,6 +42,7 @@ import numpy as np
 from maskconv_kernels.hardware import SM_COUNT
 from maskconv_kernels.mosaic_gpu import Tiles, grid
 from maskconv_kernels.mosaic_gpu.config import stages, weight_grad_splits
+from maskconv_kernels.mosaic_gpu.kernels import weight_grad_chunk
 from maskconv_kernels.problem import kernel_problem
 from maskconv_kernels.spec import make_spec
 
@@ -124,7 +125,7 @@ def tap_gemm(g, t: Tiles, batch, c_a, c_out, a: Assumptions) -> dict:
 
 def tap_weight_grad(p, g, t: Tiles, batch, a: Assumptions) -> dict:
     """The weight gradient, as ``conv.weight_grad`` launches it (one program per tile, one warpgroup)."""
-    tn, bci, chunk = t.tile_n, 64, g.chunk
+    tn, bci, chunk = t.tile_n, t.weight_grad_c_in, weight_grad_chunk(g, t)
     ci_pad, co_pad = _round_up(p.c_in, bci), _round_up(p.c_out, tn)
     taps = len(g.rows)
     chunks = batch * g.out_hw[0] * g.width // chunk

@@ -74,16 +74,17 @@ CANDIDATES = {
 # are capped by shared memory (at 128x128x64 warp-specialized, 3 is the most), so the
 # candidates avoid counts that would clamp to another's kernel. warp_specialized=False
 # runs the same tiles with one warpgroup: the first comparison to read. The weight
-# gradient reads neither tile_pixels, block_k nor warp_specialized (its tiles are 64 input
-# channels x tile_n, reduced over the grid's 64/128-pixel chunks), so its sweep is
-# (tile_n, max_concurrent_steps, weight_grad_splits): splits is a cap, the kernel takes the
-# divisor of its chunk count up to it that wastes least of the last wave, ties to fewer
-# (3x3B: 1, 4, 16 give 1, 2, 16 splits, the default 8; 7x7A: only 1 differs from its 2).
+# gradient reads neither tile_pixels, block_k nor warp_specialized (its tiles are
+# weight_grad_c_in input channels x tile_n, reduced over 64-pixel chunks with 128-channel
+# tiles, the grid's 64/128-pixel chunks with 64), so its sweep is (weight_grad_c_in,
+# tile_n, max_concurrent_steps, weight_grad_splits): splits is a cap, the kernel takes the
+# divisor of its chunk count up to it that wastes least of the last wave, ties to fewer.
 MGPU_CANDIDATES = {
     "fwd": [(128, 128, 64, 3, False), (128, 128, 64, 4, False), (64, 256, 64, 4, False),
             (128, 128, 32, 6, True), (64, 128, 64, 4, True), (64, 256, 64, 3, True), (128, 64, 64, 4, True),
             (128, 128, 64, 2, True)],
-    "dw": [(64, 3, None), (256, 2, None), (128, 2, None), (128, 4, None), (128, 3, 1), (128, 3, 4), (128, 3, 16)],
+    "dw": [(64, 128, 3, None), (128, 64, 3, None), (64, 256, 2, None), (128, 128, 2, None), (128, 128, 4, None),
+           (128, 128, 3, 1), (128, 128, 3, 4), (128, 128, 3, 16)],
 }
 MGPU_CANDIDATES["dx"] = MGPU_CANDIDATES["fwd"]
 
@@ -91,16 +92,17 @@ MGPU_CANDIDATES["dx"] = MGPU_CANDIDATES["fwd"]
 def mgpu_key(kind: str, t: Tiles) -> tuple:
     """The fields of ``t`` that ``kind``'s kernel reads (rows' ``tile``)."""
     if kind == "dw":
-        return (t.tile_n, t.max_concurrent_steps, t.weight_grad_splits)
+        return (t.weight_grad_c_in, t.tile_n, t.max_concurrent_steps, t.weight_grad_splits)
     return (t.tile_pixels, t.tile_n, t.block_k, t.max_concurrent_steps, t.warp_specialized)
 
 
 def mgpu_tiles(kind: str, cand) -> Tiles:
     """A ``Tiles`` for one candidate (raises ``ValueError`` for one ``Tiles`` rejects)."""
     if kind == "dw":
-        tn, steps, splits = cand
+        ci, tn, steps, splits = cand
         # tile_pixels is unread by the weight gradient; 64 keeps tile_pixels * tile_n valid.
-        return Tiles(tile_pixels=64, tile_n=tn, block_k=64, max_concurrent_steps=steps, weight_grad_splits=splits)
+        return Tiles(tile_pixels=64, tile_n=tn, block_k=64, max_concurrent_steps=steps, weight_grad_splits=splits,
+                     weight_grad_c_in=ci)
     tm, tn, bk, steps, ws = cand
     return Tiles(tile_pixels=tm, tile_n=tn, block_k=bk, max_concurrent_steps=steps, warp_specialized=ws)
 

@@ -121,6 +121,24 @@ def test_a_config_reaches_the_kernels_and_gives_the_same_result():
         np.testing.assert_allclose(run(config), expected, rtol=0, atol=bound, err_msg=str(config))
 
 
+@pytest.mark.parametrize("c_in_tile", [64, 128])
+def test_weight_gradient_tiles_agree_with_the_reference(c_in_tile):
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 6, 9, 20)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((3, 3, 20, 24)) / 9, jnp.bfloat16)
+    # A float32 cotangent is rounded to bfloat16 by the kernels: draw one that is exact there.
+    dy = rng.standard_normal((2, 6, 9, 24)).astype(jnp.bfloat16).astype(np.float32)
+    mask = mk.pixelcnn_mask((3, 3), "B")
+    config = Tiles(tile_n=16, weight_grad_c_in=c_in_tile, weight_grad_splits=3)
+    loss = lambda k: (mk.masked_conv(x, k, mask, implementation="pallas_mosaic_gpu", interpret=True, config=config,
+                                     preferred_element_type=jnp.float32) * dy).sum()
+    dk = np.asarray(jax.grad(loss)(k), np.float64)
+    _, expected = mk.reference.masked_conv_reference_vjp(x, k, mask, dy)
+    # dk is rounded to bfloat16 (the kernel's dtype): half an ulp of the largest entry, and
+    # float32 sums of 108 pixels below that.
+    np.testing.assert_allclose(dk, expected, rtol=0, atol=2.0**-8 * np.abs(expected).max())
+
+
 # --------------------------------------------------------------------------- the grid
 
 
@@ -175,6 +193,7 @@ def test_copies_put_each_tap_at_its_shift_and_zeros_past_the_output_width():
         ("weight_grad_splits", 0, "weight_grad_splits"),
         ("tile_n", True, "tile_n"),
         ("warp_specialized", 1, "warp_specialized"),
+        ("weight_grad_c_in", 32, "weight_grad_c_in"),
     ],
 )
 def test_tiles_are_validated(field, value, message):
@@ -185,6 +204,8 @@ def test_tiles_are_validated(field, value, message):
 def test_the_accumulator_must_fit_one_warpgroup():
     with pytest.raises(ValueError, match="registers"):
         Tiles(tile_pixels=128, tile_n=256)
+    with pytest.raises(ValueError, match="registers"):
+        Tiles(tile_pixels=64, tile_n=256, weight_grad_c_in=128)
 
 
 def test_tiles_are_frozen_hashable_and_fit_the_channels():

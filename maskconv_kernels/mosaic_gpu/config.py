@@ -43,6 +43,7 @@ class Tiles:
       max_concurrent_steps: TMA boxes in flight per program (pipeline stages), 1 to 8.
       weight_grad_splits: the most ranges the weight gradient's pixel reduction may be
         split into; ``None``: enough programs for every SM (:func:`weight_grad_splits`).
+      weight_grad_c_in: input channels per weight-gradient tile (its wgmma M): 64 or 128.
       warp_specialized: forward and input gradient with a TMA producer warpgroup and two
         ``wgmma`` consumer warpgroups (tiles of ``2 * tile_pixels`` pixels), as jax's Hopper
         matmul; ``False``: one warpgroup issues both.
@@ -53,6 +54,7 @@ class Tiles:
     block_k: int = 64
     max_concurrent_steps: int = 3
     weight_grad_splits: int | None = None
+    weight_grad_c_in: int = 64
     warp_specialized: bool = True
 
     def __post_init__(self):
@@ -60,10 +62,13 @@ class Tiles:
             value = getattr(self, field)
             if isinstance(value, bool) or value not in allowed:
                 raise ValueError(f"Tiles.{field} must be one of {allowed}, got {value!r}")
-        if self.tile_pixels * self.tile_n > _MAX_ACC:
+        if isinstance(self.weight_grad_c_in, bool) or self.weight_grad_c_in not in _PIXEL_TILES:
+            raise ValueError(f"Tiles.weight_grad_c_in must be one of {_PIXEL_TILES}, got {self.weight_grad_c_in!r}")
+        if max(self.tile_pixels, self.weight_grad_c_in) * self.tile_n > _MAX_ACC:
             raise ValueError(
-                f"Tiles.tile_pixels * tile_n must be at most {_MAX_ACC}: the float32 accumulator lives in one "
-                f"warpgroup's registers ({_MAX_ACC // 128} per thread), got {self.tile_pixels} * {self.tile_n}"
+                f"Tiles.tile_pixels * tile_n and weight_grad_c_in * tile_n must be at most {_MAX_ACC}: the float32 "
+                f"accumulator lives in one warpgroup's registers ({_MAX_ACC // 128} per thread), got "
+                f"{self.tile_pixels}, {self.weight_grad_c_in} and {self.tile_n}"
             )
         steps = self.max_concurrent_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps <= 8:
@@ -76,14 +81,17 @@ class Tiles:
 
     @classmethod
     def get_default(cls, spec: ConvSpec, dtype=None) -> Tiles:
-        """Channel tiles that fit the channel counts (C=3 pads to 16, not 64); 128-pixel tiles
-        once channels are wide enough that a 64-pixel tile would reload its weights too often."""
+        """Channel tiles that fit the channel counts (C=3 pads to 16, not 64); 128-pixel and
+        128-channel tiles once channels are wide enough that 64 would reload the other
+        operand too often."""
         del dtype  # 16-bit only: one heuristic
         c_max = max(spec.c_in, spec.c_out)
         return cls(
             tile_pixels=128 if c_max >= 128 else 64,
             tile_n=min(128, _next_pow2(max(spec.c_out, 16))),
             block_k=min(64, _next_pow2(max(spec.c_in, 16))),
+            # A 128-channel tile reads each cotangent chunk half as often (L2 traffic).
+            weight_grad_c_in=128 if spec.c_in >= 128 else 64,
         )
 
 
@@ -103,11 +111,11 @@ def weight_grad_splits(tiles: Tiles, programs: int, chunks: int) -> int:
 
     ``programs`` (active taps x channel tiles) is often a few dozen while the reduction
     runs over every pixel of the batch. Of the divisors that keep at least 8 steps per
-    split and at most twice the splits that fill every SM, the one that wastes least of
+    split and at most four times the splits that fill every SM once, the one that wastes least of
     the last wave (``ceil(programs * s / SMs) / s``, the time in units of one unsplit
     program); ties go to fewer splits (fewer float32 partial sums to add).
     ``tiles.weight_grad_splits`` fixes the largest allowed instead.
     """
-    wanted = tiles.weight_grad_splits or 2 * -(-SM_COUNT // max(programs, 1))
+    wanted = tiles.weight_grad_splits or 4 * -(-SM_COUNT // max(programs, 1))
     allowed = [s for s in range(1, min(wanted, max(chunks // 8, 1)) + 1) if chunks % s == 0]
     return min(allowed, key=lambda s: (-(-programs * s // SM_COUNT) / s, s))

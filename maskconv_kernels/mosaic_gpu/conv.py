@@ -209,12 +209,12 @@ def weight_grad(x, dy, job, out_dtype):
     batch = x.shape[0]
     g = _grid.weight_grad_grid(p)
     _check_size(batch * g.image_rows)
-    ci_pad, co_pad = _round_up(p.c_in, 64), _round_up(p.c_out, t.tile_n)
+    ci_pad, co_pad = _round_up(p.c_in, t.weight_grad_c_in), _round_up(p.c_out, t.tile_n)
     x, dy = x.astype(job.dtype), dy.astype(job.dtype)  # as in _tap_conv
     copies = _grid.copies(x, g, ci_pad, tail=0)
     rows = _grid.rows_of(dy, g, co_pad)
-    chunks = batch * g.out_hw[0] * g.width // g.chunk
-    splits = weight_grad_splits(t, len(p.taps) * (ci_pad // 64) * (co_pad // t.tile_n), chunks)
+    chunks = batch * g.out_hw[0] * g.width // kernels.weight_grad_chunk(g, t)
+    splits = weight_grad_splits(t, len(p.taps) * (ci_pad // t.weight_grad_c_in) * (co_pad // t.tile_n), chunks)
     parts = kernels.tap_weight_grad(copies, rows, g, t, batch, splits, interpret=job.interpret)[:, :, : p.c_in, : p.c_out]
     # Each entry of a tap's GEMM joins one input and one output channel; the pairs a
     # channel-partial tap keeps apart are selected away (a NaN there is not multiplied in).

@@ -24,9 +24,10 @@ from ..hardware import SM_COUNT
 from .config import Tiles, stages
 from .grid import Grid
 
-__all__ = ["tap_gemm", "tap_weight_grad"]
+__all__ = ["tap_gemm", "tap_weight_grad", "weight_grad_chunk"]
 
 _M_WGMMA = 64  # rows of one wgmma instruction (per warpgroup)
+_CHUNK = 64  # the smallest weight-gradient chunk: it divides every image's valid grid rows
 
 
 def _transforms(minor: int, dtype) -> tuple:
@@ -178,12 +179,18 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
     return plgpu.kernel(plain, scratch_types=scratch, **launch)(a, w)
 
 
+def weight_grad_chunk(g: Grid, tiles: Tiles) -> int:
+    """Pixels per weight-gradient step: the grid's chunk; 64 with 128-channel tiles, so
+    that three stages of both operands still fit shared memory."""
+    return g.chunk if tiles.weight_grad_c_in == _M_WGMMA else _CHUNK
+
+
 def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, interpret: bool):
     """``parts[s, t] = sum over split s of x[d(t), r + shift(t)]^T @ dy[r]``, float32.
 
     Args:
       x: ``[D, rows, C_in]`` (:func:`.grid.copies` of the forward grid), 16-bit, ``C_in`` a
-        multiple of 64.
+        multiple of ``tiles.weight_grad_c_in``.
       dy: ``[batch * H_o * Wp, C_out]`` (:func:`.grid.rows_of`), the dtype of ``x``,
         ``C_out`` a multiple of ``tiles.tile_n``.
       g: :func:`.grid.weight_grad_grid` (whole chunks tile each image's valid rows).
@@ -194,7 +201,7 @@ def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, in
     """
     _, _, ci_pad = x.shape
     co_pad = dy.shape[1]
-    tn, bci, chunk = tiles.tile_n, _M_WGMMA, g.chunk
+    tn, bci, chunk = tiles.tile_n, tiles.weight_grad_c_in, weight_grad_chunk(g, tiles)
     taps = len(g.rows)
     ci_tiles, co_tiles = ci_pad // bci, co_pad // tn
     per_image = g.out_hw[0] * g.width // chunk  # chunks of an image's valid rows
