@@ -63,10 +63,6 @@ class Assumptions:
     ws_overhead_us: float = 1.0
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
 def _nbytes(fn, shape) -> int:
     out = jax.eval_shape(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16))
     return math.prod(out.shape) * np.dtype(out.dtype).itemsize
@@ -93,7 +89,7 @@ def tap_gemm(g, t: Tiles, batch, c_a, c_out, a: Assumptions) -> dict:
     (pixel tile, channel tile), channel tiles innermost."""
     tm, tn, bk, ws = t.tile_pixels, t.tile_n, t.block_k, t.warp_specialized
     cta_m = (2 if ws else 1) * tm  # warp-specialized: two consumer warpgroups of tm rows
-    k_pad, n_pad = _round_up(c_a, bk), _round_up(c_out, tn)
+    k_pad, n_pad = grid.round_up(c_a, bk), grid.round_up(c_out, tn)
     tiles_per_image = -(-g.out_hw[0] * g.width // cta_m)
     m_tiles, n_tiles = batch * tiles_per_image, n_pad // tn
     taps = len(g.rows)
@@ -126,7 +122,7 @@ def tap_gemm(g, t: Tiles, batch, c_a, c_out, a: Assumptions) -> dict:
 def tap_weight_grad(p, g, t: Tiles, batch, a: Assumptions) -> dict:
     """The weight gradient, as ``conv.weight_grad`` launches it (one program per tile, one warpgroup)."""
     tn, bci, chunk = t.tile_n, t.weight_grad_c_in, weight_grad_chunk(g, t)
-    ci_pad, co_pad = _round_up(p.c_in, bci), _round_up(p.c_out, tn)
+    ci_pad, co_pad = grid.round_up(p.c_in, bci), grid.round_up(p.c_out, tn)
     taps = len(g.rows)
     chunks = batch * g.out_hw[0] * g.width // chunk
     base = taps * (ci_pad // bci) * (co_pad // tn)

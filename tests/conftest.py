@@ -41,7 +41,7 @@ class Backend:
     implementation: str
     interpret: bool = False
     config: object = None  # the backend's config, e.g. XlaConfig("matmul")
-    dtype: np.dtype = np.dtype("float32")  # what the shared suites run it in (SUITE_DTYPE)
+    dtype: np.dtype = np.dtype("float32")  # what the shared suites run it in (suite_dtype)
 
     def unsupported(self, x, kernel, mask, **kw) -> str | None:
         spec = make_spec(x, kernel, mask, **kw)
@@ -63,10 +63,16 @@ class Backend:
         )
 
 
-# The dtype the shared suites run a backend in, when it is not float32: the Mosaic GPU
-# kernels take 16-bit inputs only (wgmma's float32 mode is TF32 on K-major operands).
-# Tests draw their inputs in ``conv.dtype`` and bound errors by its TOLERANCE.
-SUITE_DTYPE = {"pallas_mosaic_gpu": np.dtype(jnp.bfloat16)}
+def suite_dtype(record, interpret: bool = not ON_GPU) -> np.dtype | None:
+    """The dtype the shared suites run a backend in: float32 where it takes it, else
+    bfloat16 (the Mosaic GPU kernels: wgmma's float32 mode is TF32 on K-major operands);
+    ``None`` where it runs neither here. Tests draw their inputs in ``conv.dtype`` and
+    bound errors by its TOLERANCE."""
+    for dtype in (np.dtype("float32"), np.dtype(jnp.bfloat16)):
+        probe = make_spec(np.zeros((1, 4, 4, 2), dtype), np.zeros((3, 3, 2, 2), dtype), np.ones((3, 3)))
+        if record.unsupported(probe, PLATFORM, interpret) is None:
+            return dtype
+    return None
 
 
 def _backends() -> dict[str, Backend]:
@@ -78,11 +84,10 @@ def _backends() -> dict[str, Backend]:
     for name, record in backends.BACKENDS.items():
         if not record.kernel_problem:
             continue
-        dtype = SUITE_DTYPE.get(name, np.dtype("float32"))
-        probe = make_spec(np.zeros((1, 4, 4, 2), dtype), np.zeros((3, 3, 2, 2), dtype), np.ones((3, 3)))
-        backend = Backend(name, dtype=dtype) if ON_GPU else Backend(name, interpret=True, dtype=dtype)
-        if record.unsupported(probe, PLATFORM, backend.interpret) is None:
-            found[name if ON_GPU else f"{name}_interpret"] = backend
+        dtype = suite_dtype(record)
+        if dtype is None:
+            continue
+        found[name if ON_GPU else f"{name}_interpret"] = Backend(name, interpret=not ON_GPU, dtype=dtype)
     return found
 
 

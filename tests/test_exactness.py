@@ -14,6 +14,12 @@ import maskconv_kernels as mk
 from maskconv_kernels.spec import make_spec
 
 
+def _input_pixel(spec, out_index, tap):
+    """The input pixel output ``out_index`` reads through ``tap``, or ``None`` in the padding."""
+    pos = tuple(o * s - lo + t * d for o, s, (lo, _), t, d in zip(out_index, spec.strides, spec.padding, tap, spec.dilation))
+    return pos if all(0 <= p < n for p, n in zip(pos, spec.in_spatial)) else None
+
+
 def _receptive_field(spec, out_index, co):
     """Bool ``(*spatial, C_in)``: inputs that output ``out_index``, channel ``co`` reads through active entries."""
     cig, cog = spec.c_in // spec.groups, spec.c_out // spec.groups
@@ -22,8 +28,8 @@ def _receptive_field(spec, out_index, co):
     g = co // cog
     for tap in itertools.product(*(range(k) for k in spec.window)):
         ci = np.flatnonzero(dense[tap][:, co])
-        pos = tuple(o * s - lo + t * d for o, s, (lo, _), t, d in zip(out_index, spec.strides, spec.padding, tap, spec.dilation))
-        if ci.size and all(0 <= p < n for p, n in zip(pos, spec.in_spatial)):
+        pos = _input_pixel(spec, out_index, tap)
+        if ci.size and pos is not None:
             field[(*pos, g * cig + ci)] = True
     return field
 
@@ -71,8 +77,8 @@ def _read_anywhere(spec):
     read = np.zeros(spec.in_spatial, bool)
     for tap in spec.mask.active_taps:
         for out in itertools.product(*(range(o) for o in spec.out_spatial)):
-            pos = tuple(o * s - lo + t * d for o, s, (lo, _), t, d in zip(out, spec.strides, spec.padding, tap, spec.dilation))
-            if all(0 <= p < n for p, n in zip(pos, spec.in_spatial)):
+            pos = _input_pixel(spec, out, tap)
+            if pos is not None:
                 read[pos] = True
     return read
 

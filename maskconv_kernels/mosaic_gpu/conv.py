@@ -77,20 +77,12 @@ def _tiles(job) -> Tiles:
     return job.config if job.config is not None else Tiles.get_default(job.spec, job.dtype)
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 def _check_size(rows: int):
     if rows >= _INT32_LIMIT:
         raise NotImplementedError(
             f'implementation="pallas_mosaic_gpu" does not support this problem: {rows} grid rows do not fit '
             "an int32 index; split the batch"
         )
-
-
-def _has(runs, channel: int) -> bool:
-    return runs is None or any(start <= channel < stop for start, stop in runs)
 
 
 def _classes(pieces, channels: int, transpose: bool):
@@ -100,10 +92,10 @@ def _classes(pieces, channels: int, transpose: bool):
     mask (PixelCNN's R, G, B groups) has one per group: each is its own tap GEMM over the
     pieces that reach it, so no product joins channels the mask keeps apart.
     """
+    writes = np.stack([_grid.channel_mask(piece.in_runs if transpose else piece.out_runs, channels) for piece in pieces])
     owners: dict[tuple, list[int]] = {}
     for c in range(channels):
-        members = tuple(i for i, piece in enumerate(pieces) if _has(piece.in_runs if transpose else piece.out_runs, c))
-        owners.setdefault(members, []).append(c)
+        owners.setdefault(tuple(np.flatnonzero(writes[:, c]).tolist()), []).append(c)
     return [(tuple(pieces[i] for i in members), tuple(cs)) for members, cs in owners.items()]
 
 
@@ -142,7 +134,7 @@ def _tap_conv(a, k, job, out_dtype, transpose: bool, name: str):
         reads = tuple(piece.out_runs if transpose else piece.in_runs for piece in pieces)
         g = make_grid(p, taps=tuple(piece.tap for piece in pieces), reads=reads)
         _check_size(batch * g.image_rows)
-        k_pad, n_pad = _round_up(c_a, t.block_k), _round_up(len(results), t.tile_n)
+        k_pad, n_pad = _grid.round_up(c_a, t.block_k), _grid.round_up(len(results), t.tile_n)
         copies = _grid.copies(a, g, k_pad, tail=2 * t.tile_pixels)  # the last tile's boxes read past the end
         w = _tap_weights(k, pieces, reads, results, transpose, k_pad, n_pad)
         out = kernels.tap_gemm(copies, w, g, t, batch, out_dtype, interpret=job.interpret, name=name)
@@ -209,7 +201,7 @@ def weight_grad(x, dy, job, out_dtype):
     batch = x.shape[0]
     g = _grid.weight_grad_grid(p)
     _check_size(batch * g.image_rows)
-    ci_pad, co_pad = _round_up(p.c_in, t.weight_grad_c_in), _round_up(p.c_out, t.tile_n)
+    ci_pad, co_pad = _grid.round_up(p.c_in, t.weight_grad_c_in), _grid.round_up(p.c_out, t.tile_n)
     x, dy = x.astype(job.dtype), dy.astype(job.dtype)  # as in _tap_conv
     copies = _grid.copies(x, g, ci_pad, tail=0)
     rows = _grid.rows_of(dy, g, co_pad)

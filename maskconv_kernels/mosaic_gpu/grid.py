@@ -30,15 +30,19 @@ from jax import lax
 
 from ..problem import KernelProblem
 
-__all__ = ["Grid", "forward_grid", "weight_grad_grid", "input_grad_grid", "channel_mask", "copies", "crop", "rows_of"]
+__all__ = [
+    "Grid", "CHUNK", "forward_grid", "weight_grad_grid", "input_grad_grid", "channel_mask", "copies", "crop", "rows_of",
+    "round_up",
+]
 
 
 # wgmma's K, for operands that are not K-major (both of the weight gradient's: pixels are
-# their major dimension), is a multiple of 64 with 128-byte swizzling.
-_CHUNK = 64
+# their major dimension), is a multiple of 64 with 128-byte swizzling: the smallest
+# weight-gradient chunk, which divides every image's valid grid rows.
+CHUNK = 64
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
@@ -58,7 +62,7 @@ class Grid:
       align: what ``width`` is a multiple of (8: TMA into tiled shared memory; the weight
         gradient also needs whole reduction chunks).
       reads: per tap, the operand channels it reads (channel-partial masks), as sorted
-        ``(start, stop)`` runs, ``None`` for all; ``()``: all, for every tap. A tap's copy
+        ``(start, stop)`` runs, ``None`` for all. A tap's copy
         holds zeros (selected, never multiplied) in the channels it does not read.
     """
 
@@ -70,25 +74,24 @@ class Grid:
     rows: tuple[int, ...]
     cols: tuple[int, ...]
     align: int
-    reads: tuple = ()  # per tap, the operand channels it reads as (start, stop) runs; None: all
+    reads: tuple  # per tap, the operand channels it reads as (start, stop) runs; None: all
 
     @property
     def distinct_copies(self) -> tuple:
         """The copies: distinct ``(column offset, channel runs)`` of the taps, sorted."""
-        reads = self.reads or (None,) * len(self.cols)
-        return tuple(sorted(set(zip(self.cols, reads)), key=lambda c: (c[0], c[1] or ())))
+        return tuple(sorted(set(zip(self.cols, self.reads)), key=lambda c: (c[0], c[1] or ())))
 
     @property
     def copy_index(self) -> tuple[int, ...]:
         """Per active tap, which copy it reads."""
         index = {c: i for i, c in enumerate(self.distinct_copies)}
-        return tuple(index[c] for c in zip(self.cols, self.reads or (None,) * len(self.cols)))
+        return tuple(index[c] for c in zip(self.cols, self.reads))
 
     @property
     def chunk(self) -> int:
         """Pixels per weight-gradient reduction step: 128 or 64, dividing the valid rows ``H_o * Wp``."""
         valid = self.out_hw[0] * self.width
-        return 2 * _CHUNK if valid % (2 * _CHUNK) == 0 else _CHUNK
+        return 2 * CHUNK if valid % (2 * CHUNK) == 0 else CHUNK
 
     @property
     def image_rows(self) -> int:
@@ -103,8 +106,8 @@ class Grid:
 def _grid(in_hw, out_hw, origin, rows, cols, align: int, reads) -> Grid:
     return Grid(
         in_hw=tuple(in_hw), out_hw=tuple(out_hw), origin=tuple(origin),
-        height=out_hw[0] + max(rows), width=_round_up(out_hw[1], align),
-        rows=tuple(rows), cols=tuple(cols), align=align, reads=tuple(reads or ()),
+        height=out_hw[0] + max(rows), width=round_up(out_hw[1], align),
+        rows=tuple(rows), cols=tuple(cols), align=align, reads=tuple(reads or (None,) * len(cols)),
     )
 
 
@@ -130,7 +133,7 @@ def weight_grad_grid(p: KernelProblem) -> Grid:
     no further: past them the copies hold real pixels (other taps' rows) that a chunk
     would multiply by a zero cotangent, and ``0 * nan`` is not zero.
     """
-    return forward_grid(p, align=math.lcm(8, _CHUNK // math.gcd(p.out_hw[0], _CHUNK)))
+    return forward_grid(p, align=math.lcm(8, CHUNK // math.gcd(p.out_hw[0], CHUNK)))
 
 
 def input_grad_grid(p: KernelProblem, align: int = 8, taps=None, reads=None) -> Grid:

@@ -22,12 +22,11 @@ from jax import lax
 
 from ..hardware import SM_COUNT
 from .config import Tiles, stages
-from .grid import Grid
+from .grid import CHUNK, Grid
 
 __all__ = ["tap_gemm", "tap_weight_grad", "weight_grad_chunk"]
 
 _M_WGMMA = 64  # rows of one wgmma instruction (per warpgroup)
-_CHUNK = 64  # the smallest weight-gradient chunk: it divides every image's valid grid rows
 
 
 def _transforms(minor: int, dtype) -> tuple:
@@ -182,7 +181,7 @@ def tap_gemm(a, w, g: Grid, tiles: Tiles, batch: int, out_dtype, *, interpret: b
 def weight_grad_chunk(g: Grid, tiles: Tiles) -> int:
     """Pixels per weight-gradient step: the grid's chunk; 64 with 128-channel tiles, so
     that three stages of both operands still fit shared memory."""
-    return g.chunk if tiles.weight_grad_c_in == _M_WGMMA else _CHUNK
+    return g.chunk if tiles.weight_grad_c_in == _M_WGMMA else CHUNK
 
 
 def tap_weight_grad(x, dy, g: Grid, tiles: Tiles, batch: int, splits: int, *, interpret: bool):
