@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import maskconv_kernels
@@ -64,3 +67,19 @@ def test_api_and_sharding_do_not_import_each_other():
     modules = _modules()
     assert f"{PACKAGE}.sharding" not in _imports(f"{PACKAGE}.api", modules[f"{PACKAGE}.api"], modules)
     assert f"{PACKAGE}.api" not in _imports(f"{PACKAGE}.sharding", modules[f"{PACKAGE}.sharding"], modules)
+
+
+def test_choosing_a_backend_on_cpu_imports_no_mosaic_gpu_module():
+    """implementation=None on CPU asks every GPU backend whether it runs; the Mosaic GPU
+    backend answers without importing its kernels or jax's Mosaic GPU (jax 0.10's needs
+    absl-py, which a plain install lacks), and the Triton one without triton."""
+    code = (
+        "import sys, numpy as np, jax.numpy as jnp, maskconv_kernels as mk\n"
+        "for dtype in (np.float32, jnp.bfloat16):\n"
+        "    mk.masked_conv(np.ones((1, 5, 5, 2), dtype), np.ones((3, 3, 2, 2), dtype), np.ones((3, 3)))\n"
+        "prefixes = ('jax.experimental.mosaic', 'maskconv_kernels.mosaic_gpu.kernels', 'triton', 'jax_triton')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(prefixes)))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -11,6 +11,10 @@ Runs on sm_90 GPUs, or anywhere in Mosaic GPU's interpreter (``interpret=True``;
 0.11). Supports 1-D and 2-D, stride-1 convolutions with any padding, dilation and window
 mask, bfloat16 and float16 inputs (float32 accumulation, any float output); the rest is
 reported by :func:`unsupported` and ``implementation=None`` uses the next backend.
+
+Importing this package imports no Mosaic GPU module: :mod:`.kernels` is imported when the
+kernels run, so choosing a backend costs nothing where they do not run (and jax 0.10's
+Mosaic GPU package, which needs absl-py, is never imported).
 """
 from .config import Tiles
 from .conv import forward, input_grad, unsupported, weight_grad

@@ -14,7 +14,6 @@ import numpy as np
 
 from ..spec import ConvSpec
 from . import grid as _grid
-from . import kernels
 from .config import Tiles, weight_grad_splits
 
 __all__ = ["unsupported", "forward", "input_grad", "weight_grad"]
@@ -125,6 +124,8 @@ def _tap_conv(a, k, job, out_dtype, transpose: bool, name: str):
     # takes K-major operands only.
     a, k = a.astype(job.dtype), k.astype(job.dtype)
     make_grid = _grid.input_grad_grid if transpose else _grid.forward_grid
+    from . import kernels  # jax's Mosaic GPU: imported when the kernels run, not when a backend is chosen
+
     parts, order = [], []
     for pieces, results in _classes(p.pieces, c_result, transpose):
         order += results
@@ -197,6 +198,8 @@ def input_grad(dy, k, job, out_dtype):
 def weight_grad(x, dy, job, out_dtype):
     """``[splits, T, C_in, C_out]`` float32: partial weight gradients of the active taps only."""
     del out_dtype  # the core casts the ordered sum
+    from . import kernels  # jax's Mosaic GPU: imported when the kernels run, not when a backend is chosen
+
     t, p = _tiles(job), job.problem
     batch = x.shape[0]
     g = _grid.weight_grad_grid(p)
