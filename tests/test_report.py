@@ -51,9 +51,11 @@ def test_readme_quick_start_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = re.search(r"TEST_COMMAND='(.*)'", ci).group(1)
+    report_command = re.search(r"REPORT_COMMAND='(.*)'", ci).group(1)
     quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^(pip install .*)$", quick_start, re.M)
-    assert commands == ['pip install . && python -m maskconv_kernels', test_command]
+    assert commands == [report_command, test_command]
+    assert report_command == "pip install . && python -m maskconv_kernels"
 
 
 def test_json_path_is_checked_before_measuring(tmp_path):
