@@ -81,25 +81,39 @@ def forward(x, kernel, job, out_dtype):
     return _forward(x.astype(job.dtype), kernel.astype(job.dtype), job.spec, _strategy(job)).astype(out_dtype)
 
 
+# The gradients are the transposes of the forward, taken in the accumulation dtype. A
+# transpose returns a cotangent in its primal's dtype, so transposing at a 16-bit primal
+# rounds each piece's (and, through an im2col, each tap's) share to 16 bits before the
+# shares are added, in 16 bits. At a float32 primal with the other operand upcast
+# (exact: 16-bit values and their products are exact in float32, as lax's own transposes
+# upcast), the shares are summed in float32 and the result is rounded once.
+
+
 def input_grad(dy, kernel, job, out_dtype):
-    """``dx: (N, *spatial, C_in)`` from ``dy: (N, *out_spatial, C_out)``."""
-    spec, strategy = job.spec, _strategy(job)
-    x = _zeros_like_varying((dy.shape[0], *spec.in_spatial, spec.c_in), job.dtype, dy)
-    kernel = kernel.astype(job.dtype)
-    (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy), x)(dy.astype(spec.out_dtype))
+    """``dx: (N, *spatial, C_in)`` from ``dy: (N, *out_spatial, C_out)``, rounded once from float32."""
+    spec, strategy, acc = job.spec, _strategy(job), job.spec.acc_dtype
+    x = _zeros_like_varying((dy.shape[0], *spec.in_spatial, spec.c_in), acc, dy)
+    kernel = _exact(kernel, job)
+    (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy), x)(_exact(dy, job, spec.out_dtype))
     return dx.astype(out_dtype)
 
 
 def weight_grad(x, dy, job, out_dtype):
     """``dk: (*window, C_in // groups, C_out)``, exactly zero on masked entries (never computed)."""
-    spec, strategy = job.spec, _strategy(job)
-    kernel = _zeros_like_varying((*spec.window, spec.c_in // spec.groups, spec.c_out), job.dtype, dy)
-    x = x.astype(job.dtype)
-    (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy), kernel)(dy.astype(spec.out_dtype))
+    spec, strategy, acc = job.spec, _strategy(job), job.spec.acc_dtype
+    kernel = _zeros_like_varying((*spec.window, spec.c_in // spec.groups, spec.c_out), acc, dy)
+    x = _exact(x, job)
+    (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy), kernel)(_exact(dy, job, spec.out_dtype))
     return dk.astype(out_dtype)
 
 
+def _exact(a, job, dtype=None):
+    """``a`` as the problem reads it (rounded to ``dtype``, default the inputs'), then widened to the accumulation dtype."""
+    return a.astype(dtype or job.dtype).astype(job.spec.acc_dtype)
+
+
 def _forward(x, kernel, spec: ConvSpec, strategy: str):
+    """The sum of the mask's pieces, in the accumulation dtype (the caller rounds it once)."""
     if spec.mask.is_full and spec.groups > 1:
         return _per_group(x, kernel, spec, strategy)
     batch = x.shape[0]
@@ -112,7 +126,7 @@ def _forward(x, kernel, spec: ConvSpec, strategy: str):
         ks = _sub_kernel(kernel, term)
         y = term_fn(xs, ks, term, spec)
         out = out + y if term.out_channels is None else out.at[..., term.out_channels].add(y)
-    return out.astype(spec.out_dtype)
+    return out
 
 
 # XLA:CPU's convolution of a 1- or 2-tap window costs about what a 3-tap one does

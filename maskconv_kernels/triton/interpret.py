@@ -68,6 +68,7 @@ def _run(kernel: str, grid, constexprs: dict, out_shape, out_dtype, *arrays: np.
     from . import kernels  # imports triton, in interpreter mode
 
     _patch_bf16_dot()
+    _patch_bf16_rounding()
     out = np.full(out_shape, np.nan, out_dtype)
     getattr(kernels, kernel)[grid](*map(_HostArray, arrays), _HostArray(out), **constexprs)
     return out
@@ -98,6 +99,32 @@ def _patch_bf16_dot() -> None:
         return original(self, widen(a), widen(b), d, *args, **kwargs)
 
     builder.create_dot = create_dot
+
+
+@functools.lru_cache(maxsize=None)
+def _patch_bf16_rounding() -> None:
+    """Make the interpreter round float32 to bfloat16 to nearest, as compiled Triton does.
+
+    Compiled, ``acc.to(tl.bfloat16)`` rounds to nearest even (``cvt.rn.bf16.f32``); the
+    interpreter's ``cast_impl`` (triton 3.6 to 3.9) passes no rounding mode and truncates,
+    one ulp toward zero, which made an interpreted bfloat16 output twice as far from the
+    exact result as ``lax.conv``'s. In this helper process only, that one conversion is
+    done by ml_dtypes, which rounds as the hardware does.
+    """
+    import ml_dtypes
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+            return interpreter.TensorHandle(data, tl.bfloat16)
+        return original(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
 
 
 class _Storage:
