@@ -16,7 +16,7 @@ import jax
 from . import backends as _backends
 from . import core
 from .backends import IMPLEMENTATIONS, PREFERENCE
-from .spec import as_operand, make_spec
+from .spec import as_operand, as_segment_ids, make_spec
 
 __all__ = ["masked_conv", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
 
@@ -46,6 +46,7 @@ def masked_conv(
     implementation: str | None = None,
     interpret: bool = False,
     config=None,
+    segment_ids: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
     """Exact masked convolution, channels-last: masked taps are never read.
 
@@ -53,7 +54,10 @@ def masked_conv(
       x: ``(N, *spatial, C_in)`` with 1, 2 or 3 spatial dims; float32, bfloat16 or float16
         (float64 with ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays,
         nested lists) are converted as ``jnp.asarray`` would.
-      kernel: ``(*window, C_in // feature_group_count, C_out)``, same dtype as ``x``.
+      kernel: ``(*window, C_in // feature_group_count, C_out)``. Its dtype may differ from
+        ``x``'s (bfloat16 activations with float32 weights): products are taken in the
+        wider dtype (widening is exact), the output has ``x``'s dtype and each gradient its
+        operand's.
       mask: static bools or 0/1 of shape ``window`` (one bit per tap) or the full kernel
         shape (channel-partial taps). Must not be traced.
       strides: int or one int per spatial dim.
@@ -70,12 +74,18 @@ def masked_conv(
       interpret: run kernel backends in interpret mode (for tests on CPU).
       config: the named implementation's frozen config (``pallas.BlockSizes``,
         ``triton.Configs``, ``xla.XlaConfig``), or ``None`` for its default.
+      segment_ids: ``None``, or integers of shape ``(N, *spatial)`` (traced values
+        welcome): packed documents. A tap reads input ``q`` for output ``p`` only where
+        ``segment_ids[q] == segment_ids[p]``; a negative id marks padding, whose outputs
+        are zero and which receives no gradient. Selected, never multiplied, so no value
+        (NaN included) crosses a segment boundary. Needs an output on the input's grid
+        (stride 1, a size-preserving padding).
 
     Returns:
       ``(N, *out_spatial, C_out)``. For finite inputs it equals
       ``lax.conv_general_dilated(x, kernel * mask, ...)`` up to rounding. Always: outputs do
-      not depend on inputs reachable only through masked taps, whose gradient is exactly
-      0.0, and the gradient of masked kernel entries is exactly 0.0.
+      not depend on inputs reachable only through masked taps (or in another segment),
+      whose gradient is exactly 0.0, and the gradient of masked kernel entries is exactly 0.0.
 
     Raises:
       ValueError, TypeError: bad arguments (the message names the argument).
@@ -89,8 +99,10 @@ def masked_conv(
     spec = make_spec(
         x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
         feature_group_count=feature_group_count, precision=precision,
-        preferred_element_type=preferred_element_type,
+        preferred_element_type=preferred_element_type, segmented=segment_ids is not None,
     )
+    if segment_ids is not None:
+        segment_ids = as_segment_ids(segment_ids, x.shape)
     backend = None
     if implementation is not None:
         if implementation in _RENAMED:
@@ -110,4 +122,6 @@ def masked_conv(
             )
     elif config is not None:
         raise ValueError("config= is the config of one backend: name it with implementation=")
-    return core.masked_conv(x, kernel, spec, backend=backend, interpret=interpret, config=config)
+    return core.masked_conv(
+        x, kernel, spec, backend=backend, interpret=interpret, config=config, segment_ids=segment_ids
+    )

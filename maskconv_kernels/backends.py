@@ -11,7 +11,8 @@ A backend module supplies (see :mod:`maskconv_kernels.core`, which does everythi
   lowered for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``; ``None`` asks
   about the problem alone), ``None`` when it can;
 * ``forward(x, k, job, out_dtype)``, ``input_grad(dy, k, job, out_dtype)`` and
-  ``weight_grad(x, dy, job, out_dtype)``: its three kernels (:class:`~maskconv_kernels.core.Job`).
+  ``weight_grad(x, dy, job, out_dtype)``: its three kernels (:class:`~maskconv_kernels.core.Job`),
+  with a ``segment_ids`` keyword when the record says ``segments=True``.
   A kernel backend (``kernel_problem=True``) gets 2-D channels-last arrays of
   :class:`~maskconv_kernels.problem.KernelProblem` shapes and returns the weight
   gradient of the active taps as partial sums ``[splits, T, C_in, C_out]``.
@@ -51,6 +52,8 @@ class Backend:
         (1-D lifted, active taps only); else they take the N-D ``ConvSpec``.
       lowering_warnings: messages of warnings its lowering raises on purpose, filtered
         while (and only while) its kernels are lowered.
+      segments: its kernels take ``segment_ids`` (a keyword argument of all three).
+      mixed_dtypes: its kernels take x and a kernel of different dtypes.
     """
 
     name: str
@@ -60,6 +63,8 @@ class Backend:
     host_interpret: bool = False
     kernel_problem: bool = True
     lowering_warnings: tuple[str, ...] = ()
+    segments: bool = False
+    mixed_dtypes: bool = False
 
     def load(self):
         return importlib.import_module(self.module)
@@ -69,13 +74,23 @@ class Backend:
         return getattr(importlib.import_module(module), cls)
 
     def unsupported(self, spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
+        if spec.segmented and not self.segments:
+            return "segment_ids (its kernels have no segment selects; implementation='xla' has)"
+        if spec.mixed and not self.mixed_dtypes:
+            return (
+                f"x in {spec.x_dtype} with a {spec.kernel_dtype} kernel (its kernels take one dtype; "
+                "implementation='xla' takes both)"
+            )
         return self.load().unsupported(spec, platform, interpret)
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("xla", "maskconv_kernels.xla", "maskconv_kernels.xla:XlaConfig", spmd=NATIVE, kernel_problem=False),
+        Backend(
+            "xla", "maskconv_kernels.xla", "maskconv_kernels.xla:XlaConfig", spmd=NATIVE, kernel_problem=False,
+            segments=True, mixed_dtypes=True,
+        ),
         # Pallas kernels lowered through Triton (jax.experimental.pallas.triton); since jax
         # 0.11 that lowering warns it is deprecated (the "triton" backend is the way on).
         Backend(

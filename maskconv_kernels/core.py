@@ -88,33 +88,38 @@ class Job:
     dtype: np.dtype  # as Call.dtype
 
 
-def masked_conv(x, kernel, spec: ConvSpec, *, backend: Backend | None, interpret: bool = False, config=None):
+def masked_conv(
+    x, kernel, spec: ConvSpec, *, backend: Backend | None, interpret: bool = False, config=None, segment_ids=None
+):
     """``y = conv(x, kernel)`` through the core's primitives.
 
     Args:
       x: ``(N, *spatial, C_in)``.
-      kernel: ``(*window, C_in // groups, C_out)``, the dtype of ``x``.
+      kernel: ``(*window, C_in // groups, C_out)``.
       spec: the validated problem.
       backend: the backend record, or ``None`` to choose one per lowering platform.
       interpret: run kernel backends in their interpreters.
       config: the backend's frozen config, or ``None`` for its default.
+      segment_ids: ``None``, or integers ``(N, *spatial)`` when ``spec.segmented``: a third
+        operand of every primitive, data to the maps (they are linear in the other two).
     """
     out_shape = (x.shape[0], *spec.out_spatial, spec.c_out)
     if 0 in x.shape or 0 in kernel.shape or not spec.mask.active_taps:
         # Every output is an empty sum: exact zeros, and zero gradients, with nothing read.
         return jnp.zeros(out_shape, spec.out_dtype)
-    call = Call(spec, backend, bool(interpret), config, np.dtype(x.dtype))
+    call = Call(spec, backend, bool(interpret), config, np.dtype(spec.dtype))
     conv = _flavour().conv
-    bind = lambda x, k: _bind(conv, x, k, call=call, out_dtype=np.dtype(spec.out_dtype))
+    ids = () if segment_ids is None else (segment_ids,)
+    bind = lambda x, k, *ids: _bind(conv, x, k, *ids, call=call, out_dtype=np.dtype(spec.out_dtype))
     mesh = _explicit_mesh((x, kernel))
     if mesh is None:
-        return bind(x, kernel)
+        return bind(x, kernel, *ids)
     # Explicit mesh axes type every value by its sharding, which the primitives (and the
     # kernels' refs) do not take: inside auto_axes the types are plain and XLA's
     # partitioner (custom_partitioning for kernel backends) decides the split.
     batch = jax.sharding.PartitionSpec(_batch_axis(x))
     out_sharding = jax.sharding.NamedSharding(mesh, batch)
-    return jax.sharding.auto_axes(bind, out_sharding=out_sharding)(x, kernel)
+    return jax.sharding.auto_axes(bind, out_sharding=out_sharding)(x, kernel, *ids)
 
 
 def _explicit_mesh(args):
@@ -195,7 +200,7 @@ def _out_shape(kind: str, a, call: Call) -> tuple[int, ...]:
 
 
 def _abstract_eval(kind):
-    def rule(a, b, *, call, out_dtype):
+    def rule(a, b, *segment_ids, call, out_dtype):
         # Operands vary over the same manual axes (_bind), and so does the output:
         # update() keeps that part of the type.
         return a.update(shape=_out_shape(kind, a, call), dtype=out_dtype, weak_type=False)
@@ -215,37 +220,59 @@ def _dtype(v) -> np.dtype:
     return np.dtype(v.aval.dtype)
 
 
-def _bind(prim, a, b, **params):
+def _bind(prim, a, b, *segment_ids, **params):
     # Inside shard_map, an operand that does not vary over a manual axis the other one
     # varies over (a replicated kernel) is cast to varying first, as lax's own binary
     # ops do: its cotangent then gets the psum it needs.
     a, b = jcore.auto_insert_reshard(a, b)
-    return prim.bind(a, b, **params)
+    return prim.bind(a, b, *segment_ids, **params)
+
+
+def _bilinear_transpose(lhs, rhs):
+    """Transposes in the first or the second operand; segment ids (data) pass through unchanged.
+
+    ``ad.defbilinear`` takes exactly two operands; this is its rule for two or three.
+    """
+
+    def rule(ct, a, b, *segment_ids, call, out_dtype):
+        assert ad.is_undefined_primal(a) ^ ad.is_undefined_primal(b)
+        rest = [None] * len(segment_ids)
+        if ad.is_undefined_primal(a):
+            out = ad.Zero(a.aval.to_ct_aval()) if type(ct) is ad.Zero else _transposed(lhs(ct, a, b), call, segment_ids)
+            return [out, None, *rest]
+        out = ad.Zero(b.aval.to_ct_aval()) if type(ct) is ad.Zero else _transposed(rhs(ct, a, b), call, segment_ids)
+        return [None, out, *rest]
+
+    return rule
+
+
+def _bilinear_jvp(prim, primals, tangents, **params):
+    """``jvp(p)(a, b; ta, tb) = p(ta, b) + p(a, tb)``, each term one exact map; segment ids
+    are integers, with no tangent."""
+    a, b, *ids = primals
+    ta, tb = tangents[:2]
+    out = _bind(prim, a, b, *ids, **params)
+    terms = [_bind(prim, ta, b, *ids, **params)] if type(ta) is not ad.Zero else []
+    if type(tb) is not ad.Zero:
+        terms.append(_bind(prim, a, tb, *ids, **params))
+    # JAX calls a JVP rule only when some tangent is nonzero.
+    return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
 for _m in (_PLAIN, _SPMD):
     for _prim, (_lhs, _rhs) in {
         # transpose in the first operand, in the second, as the other two maps
-        _m.conv: (lambda ct, x, k, m=_m, **p: (m.dx, ct, k, x), lambda ct, x, k, m=_m, **p: (m.dk, x, ct, k)),
-        _m.dx: (lambda ct, dy, k, m=_m, **p: (m.conv, ct, k, dy), lambda ct, dy, k, m=_m, **p: (m.dk, ct, dy, k)),
-        _m.dk: (lambda ct, x, dy, m=_m, **p: (m.dx, dy, ct, x), lambda ct, x, dy, m=_m, **p: (m.conv, x, ct, dy)),
+        _m.conv: (lambda ct, x, k, m=_m: (m.dx, ct, k, x), lambda ct, x, k, m=_m: (m.dk, x, ct, k)),
+        _m.dx: (lambda ct, dy, k, m=_m: (m.conv, ct, k, dy), lambda ct, dy, k, m=_m: (m.dk, ct, dy, k)),
+        _m.dk: (lambda ct, x, dy, m=_m: (m.dx, dy, ct, x), lambda ct, x, dy, m=_m: (m.conv, x, ct, dy)),
     }.items():
-        ad.defbilinear(
-            _prim,
-            lambda ct, a, b, *, call, out_dtype, f=_lhs: _transposed(f(ct, a, b), call),
-            lambda ct, a, b, *, call, out_dtype, f=_rhs: _transposed(f(ct, a, b), call),
-        )
-        # Bilinear: jvp(p)(a, b; ta, tb) = p(ta, b) + p(a, tb), each term one exact map.
-        ad.defjvp(
-            _prim,
-            lambda ta, a, b, *, _p=_prim, **params: _bind(_p, ta, b, **params),
-            lambda tb, a, b, *, _p=_prim, **params: _bind(_p, a, tb, **params),
-        )
+        ad.primitive_transposes[_prim] = _bilinear_transpose(_lhs, _rhs)
+        ad.primitive_jvps[_prim] = functools.partial(_bilinear_jvp, _prim)
 
 
-def _transposed(how, call: Call):
+def _transposed(how, call: Call, segment_ids):
     prim, a, b, primal = how
-    return _bind(prim, a, b, call=call, out_dtype=_dtype(primal))
+    return _bind(prim, a, b, *segment_ids, call=call, out_dtype=_dtype(primal))
 
 
 # --------------------------------------------------------------------------- batching
@@ -264,14 +291,16 @@ def _batching_rule(prim):
     foldable = _KIND[prim] != "weight_grad"
 
     def rule(args, dims, *, call, out_dtype):
-        (a, b), (da, db) = args, dims
-        size = a.shape[da] if da is not None else b.shape[db]
+        (a, b, *ids), (da, db, *dids) = args, dims
+        size = next(v.shape[d] for v, d in zip(args, dims) if d is not None)
+        ids = [_at_front(i, d, size) for i, d in zip(ids, dids)]  # per example, like a
         if foldable and db is None:
-            a = jnp.moveaxis(a, da, 0)
-            out = _bind(prim, a.reshape(size * a.shape[1], *a.shape[2:]), b, call=call, out_dtype=out_dtype)
+            a = _at_front(a, da, size)
+            fold = lambda v: v.reshape(size * v.shape[1], *v.shape[2:])  # noqa: E731
+            out = _bind(prim, fold(a), b, *map(fold, ids), call=call, out_dtype=out_dtype)
             return out.reshape(size, a.shape[1], *out.shape[1:]), 0
         a, b = _at_front(a, da, size), _at_front(b, db, size)
-        out = lax.map(lambda ab: _bind(prim, *ab, call=call, out_dtype=out_dtype), (a, b))
+        out = lax.map(lambda ops: _bind(prim, *ops, call=call, out_dtype=out_dtype), (a, b, *ids))
         return out, 0
 
     return rule
@@ -287,11 +316,11 @@ for _prim in _KIND:
 def _lowering_rule(prim):
     kind = _KIND[prim]
 
-    def rule(ctx, a, b, *, call: Call, out_dtype):
+    def rule(ctx, *operands, call: Call, out_dtype):
         platforms = tuple(ctx.platforms or ctx.module_context.platforms)
         spmd = prim in _SPMD.all
         per_platform = {p: _platform_rule(kind, call, np.dtype(out_dtype), p, spmd) for p in platforms}
-        return mlir.lower_per_platform(ctx, f"{prim.name} ({kind})", per_platform, None, frozenset(), a, b)
+        return mlir.lower_per_platform(ctx, f"{prim.name} ({kind})", per_platform, None, frozenset(), *operands)
 
     return rule
 
@@ -313,13 +342,13 @@ def _platform_rule(kind: str, call: Call, out_dtype: np.dtype, platform: str, sp
     if spmd and backend.spmd == _backends.BATCH and not (call.interpret and backend.host_interpret):
         partitioned = mlir.lower_fun(_batch_partitioned(kind, fn), multiple_results=False)
 
-    def rule(ctx, a, b):
+    def rule(ctx, *operands):
         with warnings.catch_warnings():
             for message in backend.lowering_warnings:
                 warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
             if partitioned is not None and _several_devices(ctx):
-                return partitioned(ctx, a, b)
-            return lowered(ctx, a, b)
+                return partitioned(ctx, *operands)
+            return lowered(ctx, *operands)
 
     return rule
 
@@ -335,19 +364,25 @@ def _several_devices(ctx) -> bool:
 
 def _batch_partitioned(kind: str, fn):
     # conv and conv_dx: batched operand and output, replicated kernel. conv_dk: both
-    # operands batched, the output a sum over examples (psum across devices).
+    # operands batched, the output a sum over examples (psum across devices). Segment
+    # ids are per example.
     batched_in, batched_out = ((True, True), (False,)) if kind == "weight_grad" else ((True, False), (True,))
 
-    def partitioned(a, b):
-        (out,) = _sharding.custom_partitioned(lambda a, b: (fn(a, b),), batched_in, batched_out, (a, b))
+    def partitioned(*operands):
+        flags = batched_in + (True,) * (len(operands) - 2)
+        (out,) = _sharding.custom_partitioned(lambda *ops: (fn(*ops),), flags, batched_out, operands)
         return out
 
     return partitioned
 
 
-def _run(kind: str, backend: Backend, job: Job, out_dtype: np.dtype, a, b):
+def _run(kind: str, backend: Backend, job: Job, out_dtype: np.dtype, a, b, *segment_ids):
     """One backend kernel on N-D operands: lifts to the 2-D problem and back for kernel backends."""
     module = backend.load()
+    if segment_ids:
+        # Only backends whose record says segments=True are chosen for segmented problems.
+        assert backend.segments and not backend.kernel_problem, backend.name
+        return getattr(module, kind)(a, b, job, out_dtype, segment_ids=segment_ids[0])
     if not backend.kernel_problem:
         return getattr(module, kind)(a, b, job, out_dtype)
     p, s, batch = job.problem, job.spec, a.shape[0]

@@ -19,44 +19,55 @@ from .spec import ConvSpec, make_spec
 __all__ = ["masked_conv_reference", "masked_conv_reference_vjp", "leaky_masked_conv"]
 
 
-def masked_conv_reference(x, kernel, mask, **conv_args) -> np.ndarray:
+def masked_conv_reference(x, kernel, mask, *, segment_ids=None, **conv_args) -> np.ndarray:
     """Float64 masked convolution in NumPy: ``sum over active entries of x * kernel``.
 
     Takes the arguments of :func:`maskconv_kernels.masked_conv` except ``implementation``.
-    Masked entries are skipped (not multiplied by zero), so it is exact for non-finite
-    inputs too. Returns a float64 ``(N, *out_spatial, C_out)`` array.
+    Masked entries are skipped (not multiplied by zero), and so are inputs of another
+    segment, so it is exact for non-finite inputs too. Returns a float64
+    ``(N, *out_spatial, C_out)`` array.
     """
-    spec = make_spec(x, kernel, mask, **conv_args)
+    spec = make_spec(x, kernel, mask, segmented=segment_ids is not None, **conv_args)
     kernel = np.asarray(kernel, np.float64)
     xp = _padded(np.asarray(x, np.float64), spec)
     out = np.zeros((x.shape[0], *spec.out_spatial, spec.c_out))
-    for tap, view, gi, co, active in _products(xp, spec):
+    for tap, view, gi, co, active in _products(xp, spec, segment_ids):
         out[..., co] += view[..., active] @ kernel[tap][active - gi * (spec.c_in // spec.groups), co]
     return out
 
 
-def masked_conv_reference_vjp(x, kernel, mask, dy, **conv_args) -> tuple[np.ndarray, np.ndarray]:
+def masked_conv_reference_vjp(x, kernel, mask, dy, *, segment_ids=None, **conv_args) -> tuple[np.ndarray, np.ndarray]:
     """Float64 gradients ``(dx, dkernel)`` of ``sum(masked_conv(x, kernel) * dy)``.
 
-    Masked kernel entries and inputs reachable only through masked taps get no
-    contribution at all, so they are exactly 0.0.
+    Masked kernel entries and inputs reachable only through masked taps (or from other
+    segments) get no contribution at all, so they are exactly 0.0.
     """
-    spec = make_spec(x, kernel, mask, **conv_args)
+    spec = make_spec(x, kernel, mask, segmented=segment_ids is not None, **conv_args)
     kernel = np.asarray(kernel, np.float64)
     dy = np.asarray(dy, np.float64)
     xp = _padded(np.asarray(x, np.float64), spec)
     dxp = np.zeros_like(xp)
     dk = np.zeros(kernel.shape)
     cig = spec.c_in // spec.groups
-    for tap, view, gi, co, active in _products(xp, spec):
+    for tap, view, gi, co, active in _products(xp, spec, segment_ids):
         dk[tap][active - gi * cig, co] += np.tensordot(dy[..., co], view[..., active], axes=dy.ndim - 1)
-        dxp[(*_window_slices(tap, spec), active)] += dy[..., co, None] * kernel[tap][active - gi * cig, co]
+        same = _same_segment(tap, spec, segment_ids)
+        dxp[(*_window_slices(tap, spec), active)] += np.where(same, dy[..., co, None] * kernel[tap][active - gi * cig, co], 0.0)
     return _unpadded(dxp, spec, x.shape), dk
 
 
-def _padded(x, spec):
+def _same_segment(tap, spec, segment_ids):
+    """Bool ``(N, *out_spatial, 1)``: where ``tap`` may read (its input in the output's segment, not padding)."""
+    if segment_ids is None:
+        return np.ones((1,) * (spec.ndim + 2), bool)
+    ids = np.asarray(segment_ids)[..., None]
+    padded = _padded(ids, spec, fill=-1)
+    return (padded[_window_slices(tap, spec)] == ids) & (ids >= 0)
+
+
+def _padded(x, spec, fill=0):
     pos = [(0, 0)] + [(max(lo, 0), max(hi, 0)) for lo, hi in spec.padding] + [(0, 0)]
-    xp = np.pad(x, pos)
+    xp = np.pad(x, pos, constant_values=fill)
     # Negative padding crops.
     crop = tuple(slice(max(-lo, 0), xp.shape[1 + i] - max(-hi, 0)) for i, (lo, hi) in enumerate(spec.padding))
     return xp[(slice(None), *crop)]
@@ -82,14 +93,15 @@ def _window_slices(tap, spec):
     )
 
 
-def _products(xp, spec):
-    """Yields ``(tap, input view, group, out channel, active input channels)``."""
+def _products(xp, spec, segment_ids=None):
+    """Yields ``(tap, input view, group, out channel, active input channels)``; the view is
+    zero (selected) where the tap's input lies in another segment."""
     cig, cog = spec.c_in // spec.groups, spec.c_out // spec.groups
     dense = spec.mask.dense(cig, spec.c_out)
     for tap in itertools.product(*(range(k) for k in spec.window)):
         if not dense[tap].any():
             continue
-        view = xp[_window_slices(tap, spec)]
+        view = np.where(_same_segment(tap, spec, segment_ids), xp[_window_slices(tap, spec)], 0.0)
         for co in range(spec.c_out):
             gi = co // cog
             active = gi * cig + np.flatnonzero(dense[tap][:, co])

@@ -14,7 +14,7 @@ from jax import lax
 
 from .masks import Mask, as_mask
 
-__all__ = ["ConvSpec", "make_spec", "as_operand", "dimension_numbers", "FLOAT_DTYPES"]
+__all__ = ["ConvSpec", "make_spec", "as_operand", "as_segment_ids", "dimension_numbers", "FLOAT_DTYPES"]
 
 _DIMENSION_NUMBERS = {
     1: ("NWC", "WIO", "NWC"),
@@ -47,7 +47,15 @@ class ConvSpec:
     precision: lax.Precision | tuple | None
     out_dtype: np.dtype
     acc_dtype: np.dtype
-    dtype: np.dtype  # of x and kernel
+    dtype: np.dtype  # the products': x's and the kernel's, the wider of the two when they differ
+    x_dtype: np.dtype
+    kernel_dtype: np.dtype
+    segmented: bool = False  # segment_ids given: a tap reads only inputs of the output's segment
+
+    @property
+    def mixed(self) -> bool:
+        """x and the kernel differ in dtype (16-bit activations with float32 weights, say)."""
+        return self.x_dtype != self.kernel_dtype
 
     @property
     def window(self) -> tuple[int, ...]:
@@ -141,6 +149,32 @@ def as_operand(name: str, value):
         ) from None
 
 
+def as_segment_ids(segment_ids, x_shape) -> jax.Array:
+    """``segment_ids`` checked: integers of shape ``x_shape[:-1]`` (``(N, *spatial)``); traced values welcome.
+
+    Raises:
+      TypeError: not an array of integers.
+      ValueError: not one id per position of ``x``.
+    """
+    ids = segment_ids
+    if not isinstance(ids, (jax.Array, jax.ShapeDtypeStruct)):
+        try:
+            ids = jnp.asarray(ids)
+        except (TypeError, ValueError):
+            raise TypeError(f"segment_ids must be an array of integers, got {type(segment_ids).__name__}") from None
+    dtype = np.dtype(ids.dtype)
+    if dtype.kind not in "iu":
+        raise TypeError(
+            f"segment_ids must hold integers (a document id per position, negative for padding), got dtype {dtype}"
+        )
+    expected = tuple(x_shape[:-1])
+    if tuple(ids.shape) != expected:
+        raise ValueError(
+            f"segment_ids must have x's shape without its channels, (N, *spatial) = {expected}, got {tuple(ids.shape)}"
+        )
+    return ids
+
+
 def _float_dtype(subject: str, dtype) -> np.dtype:
     """``subject``: what the error says, e.g. ``"x must have"``."""
     try:
@@ -185,16 +219,16 @@ def make_spec(
     feature_group_count: int = 1,
     precision=None,
     preferred_element_type=None,
+    segmented: bool = False,
 ) -> ConvSpec:
     """Validates the arguments of :func:`maskconv_kernels.masked_conv` into a ``ConvSpec``.
 
     ``x`` and ``kernel`` may be anything with ``shape`` and ``dtype`` or array-likes
-    (:func:`as_operand`). Every error names the argument and what it accepts.
+    (:func:`as_operand`). ``segmented``: ``segment_ids`` are given (checked by
+    :func:`segment_ids`). Every error names the argument and what it accepts.
     """
     x, kernel = as_operand("x", x), as_operand("kernel", kernel)
     x_dtype, k_dtype = _float_dtype("x must have", x.dtype), _float_dtype("kernel must have", kernel.dtype)
-    if x_dtype != k_dtype:
-        raise TypeError(f"x and kernel must have the same dtype, got x: {x_dtype} and kernel: {k_dtype}")
     if len(x.shape) not in (3, 4, 5):
         raise ValueError(
             f"x must be (N, *spatial, C_in) with 1, 2 or 3 spatial dims (rank 3-5), got shape {tuple(x.shape)}"
@@ -232,14 +266,23 @@ def make_spec(
     in_spatial = tuple(int(n) for n in x.shape[1:-1])
     pads = _padding(padding, in_spatial, window, strides, dilation)
     out_dtype = x_dtype if preferred_element_type is None else _float_dtype("preferred_element_type must be", preferred_element_type)
-    acc_dtype = np.dtype(jnp.promote_types(jnp.float32, x_dtype))
+    # Mixed inputs (bfloat16 activations, float32 weights) multiply in the wider dtype:
+    # widening is exact, so every product is that of the values given.
+    dtype = np.dtype(jnp.promote_types(x_dtype, k_dtype))
+    acc_dtype = np.dtype(jnp.promote_types(jnp.float32, dtype))
     spec = ConvSpec(
         mask, in_spatial, c_in, c_out, strides, pads, dilation, int(groups), _precision(precision), out_dtype, acc_dtype,
-        x_dtype,
+        dtype, x_dtype, k_dtype, bool(segmented),
     )
     if any(n < 1 for n in spec.out_spatial):
         raise ValueError(
             f"the output would be empty: input spatial shape {in_spatial} with padding {pads} is smaller than "
             f"the dilated window {tuple(d * (k - 1) + 1 for d, k in zip(dilation, window))}"
+        )
+    if segmented and (any(s != 1 for s in strides) or spec.out_spatial != in_spatial):
+        raise ValueError(
+            "segment_ids need an output on the input's grid (output p has the segment of input p): strides 1 and "
+            f"a padding that keeps the spatial shape ('SAME', 'CAUSAL' or pads summing to the dilated window - 1), "
+            f"got strides {strides} and padding {pads}, which give {spec.out_spatial} from {in_spatial}"
         )
     return spec

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jcore  # auto_insert_reshard: the vma cast lax's binary ops insert
 
+from . import depthwise
 from .masks import Mask, Term
 from .spec import ConvSpec
 
@@ -76,9 +77,11 @@ def _zeros_like_varying(shape, dtype, other):
     return jcore.auto_insert_reshard(other, jnp.zeros(shape, dtype))[1]
 
 
-def forward(x, kernel, job, out_dtype):
+def forward(x, kernel, job, out_dtype, segment_ids=None):
     """``(N, *out_spatial, C_out)`` from ``x: (N, *spatial, C_in)`` and the kernel."""
-    return _forward(x.astype(job.dtype), kernel.astype(job.dtype), job.spec, _strategy(job)).astype(out_dtype)
+    spec = job.spec
+    x, kernel = _read(x, spec.x_dtype, spec.dtype), _read(kernel, spec.kernel_dtype, spec.dtype)
+    return _forward(x, kernel, spec, _strategy(job), segment_ids).astype(out_dtype)
 
 
 # The gradients are the transposes of the forward, taken in the accumulation dtype. A
@@ -89,42 +92,49 @@ def forward(x, kernel, job, out_dtype):
 # upcast), the shares are summed in float32 and the result is rounded once.
 
 
-def input_grad(dy, kernel, job, out_dtype):
+def input_grad(dy, kernel, job, out_dtype, segment_ids=None):
     """``dx: (N, *spatial, C_in)`` from ``dy: (N, *out_spatial, C_out)``, rounded once from float32."""
     spec, strategy, acc = job.spec, _strategy(job), job.spec.acc_dtype
     x = _zeros_like_varying((dy.shape[0], *spec.in_spatial, spec.c_in), acc, dy)
-    kernel = _exact(kernel, job)
-    (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy), x)(_exact(dy, job, spec.out_dtype))
+    kernel, dy = _read(kernel, spec.kernel_dtype, acc), _read(dy, spec.out_dtype, acc)
+    (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy, segment_ids), x)(dy)
     return dx.astype(out_dtype)
 
 
-def weight_grad(x, dy, job, out_dtype):
+def weight_grad(x, dy, job, out_dtype, segment_ids=None):
     """``dk: (*window, C_in // groups, C_out)``, exactly zero on masked entries (never computed)."""
     spec, strategy, acc = job.spec, _strategy(job), job.spec.acc_dtype
     kernel = _zeros_like_varying((*spec.window, spec.c_in // spec.groups, spec.c_out), acc, dy)
-    x = _exact(x, job)
-    (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy), kernel)(_exact(dy, job, spec.out_dtype))
+    x, dy = _read(x, spec.x_dtype, acc), _read(dy, spec.out_dtype, acc)
+    (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy, segment_ids), kernel)(dy)
     return dk.astype(out_dtype)
 
 
-def _exact(a, job, dtype=None):
-    """``a`` as the problem reads it (rounded to ``dtype``, default the inputs'), then widened to the accumulation dtype."""
-    return a.astype(dtype or job.dtype).astype(job.spec.acc_dtype)
+def _read(a, dtype, wide):
+    """``a`` as the problem reads it (rounded to its operand's ``dtype``), then widened (exactly) to ``wide``."""
+    return a.astype(dtype).astype(wide)
 
 
-def _forward(x, kernel, spec: ConvSpec, strategy: str):
+def _forward(x, kernel, spec: ConvSpec, strategy: str, segment_ids=None):
     """The sum of the mask's pieces, in the accumulation dtype (the caller rounds it once)."""
+    if depthwise.is_depthwise(spec):
+        acc = spec.acc_dtype
+        return depthwise.forward(x.astype(acc), kernel.astype(acc), spec, segment_ids)
     if spec.mask.is_full and spec.groups > 1:
-        return _per_group(x, kernel, spec, strategy)
+        return _per_group(x, kernel, spec, strategy, segment_ids)
     batch = x.shape[0]
     out = jnp.zeros((batch, *spec.out_spatial, spec.c_out), spec.acc_dtype)
     terms = spec.mask.terms
+    # A select inside a convolution is not possible: segmented problems are im2col GEMMs.
+    select = None if segment_ids is None else depthwise.segment_selects(segment_ids, spec)
     for term in terms:
         small = len(term.box.taps()) < _MIN_CONV_TAPS and len(terms) > 1
-        term_fn = _term_conv if strategy == "conv" and not small else _term_matmul
         xs = x if term.in_channels is None else _take(x, term.in_channels, axis=-1)
         ks = _sub_kernel(kernel, term)
-        y = term_fn(xs, ks, term, spec)
+        if strategy == "conv" and not small and select is None:
+            y = _term_conv(xs, ks, term, spec)
+        else:
+            y = _term_matmul(xs, ks, term, spec, select)
         out = out + y if term.out_channels is None else out.at[..., term.out_channels].add(y)
     return out
 
@@ -137,7 +147,7 @@ def _forward(x, kernel, spec: ConvSpec, strategy: str):
 _MIN_CONV_TAPS = 3
 
 
-def _per_group(x, kernel, spec: ConvSpec, strategy: str):
+def _per_group(x, kernel, spec: ConvSpec, strategy: str, segment_ids=None):
     """Channel-partial masks with feature groups: each group is its own ungrouped problem."""
     cig, cog = spec.c_in // spec.groups, spec.c_out // spec.groups
     outs = []
@@ -145,7 +155,9 @@ def _per_group(x, kernel, spec: ConvSpec, strategy: str):
         sub = spec.mask.bits[..., g * cog : (g + 1) * cog]
         sub_spec = _replace_mask(spec, sub, c_in=cig, c_out=cog, groups=1)
         outs.append(
-            _forward(x[..., g * cig : (g + 1) * cig], kernel[..., g * cog : (g + 1) * cog], sub_spec, strategy)
+            _forward(
+                x[..., g * cig : (g + 1) * cig], kernel[..., g * cog : (g + 1) * cog], sub_spec, strategy, segment_ids
+            )
         )
     return jnp.concatenate(outs, axis=-1)
 
@@ -229,8 +241,12 @@ def _term_conv(xs, ks, term: Term, spec: ConvSpec):
     )
 
 
-def _term_matmul(xs, ks, term: Term, spec: ConvSpec):
-    """im2col over the box's taps (strided views of the padded input), then one dot."""
+def _term_matmul(xs, ks, term: Term, spec: ConvSpec, select=None):
+    """im2col over the box's taps (strided views of the padded input), then one dot.
+
+    ``select``: ``tap -> bool`` (:func:`depthwise.segment_selects`), where a tap may read
+    its input; elsewhere its column holds a selected zero.
+    """
     ndim = spec.ndim
     pads = _box_padding(term, spec)
     xp = lax.pad(xs, jnp.zeros((), xs.dtype), ((0, 0, 0), *((lo, hi, 0) for lo, hi in pads), (0, 0, 0)))
@@ -244,7 +260,8 @@ def _term_matmul(xs, ks, term: Term, spec: ConvSpec):
             *(st + (o - 1) * s + 1 for st, o, s in zip(start[1:-1], out_spatial, spec.strides)),
             xp.shape[-1],
         )
-        cols.append(lax.slice(xp, start, limit, (1, *spec.strides, 1)))
+        col = lax.slice(xp, start, limit, (1, *spec.strides, 1))
+        cols.append(col if select is None else jnp.where(select(tap), col, jnp.zeros((), col.dtype)))
     groups = spec.groups if term.in_channels is None else 1
     n_taps = len(cols)
     patches = jnp.stack(cols, axis=-2)  # (N, *out, taps, C_in)
