@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, random
+from conftest import assert_close, cuda_lowering, random
 
+import maskconv_kernels as mk
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
@@ -206,3 +207,70 @@ def test_bad_input_says_what_is_wrong(change, error, match):
     args = dict(x=np.ones((2, 9, 6), np.float32), weight=np.ones((4, 6), np.float32), bias=None) | change
     with pytest.raises(error, match=match):
         causal_conv1d(args.pop("x"), args.pop("weight"), **args)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_lowered_for_cuda_it_is_elementwise_no_convolution_and_no_dot(segmented):
+    """implementation=None for cuda: the forward and both gradients hold no convolution (cuDNN may
+    choose Winograd or FFT) and no dot (a grouped convolution's batched dot, one tiny GEMM per channel)."""
+    x, w, b, state = _inputs(9, 2, 64, 32, 4, BF16, F32)
+    ids = _ids(10, 2, 64) if segmented else None
+
+    def loss(x, w, b, state):
+        y = causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu")
+        return y.astype(jnp.float32).sum()
+
+    with cuda_lowering():
+        lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, w, b, state)
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    # Shifted products, and the weight gradient's reductions over batch and positions.
+    assert "stablehlo.multiply" in text and "stablehlo.reduce" in text
+    assert "stablehlo.convolution" not in text
+    assert "stablehlo.dot_general" not in text
+
+
+def _mamba_style_block(params, x, conv):
+    """Two layers of projection, short causal conv, SiLU and gating, with residuals: ``(1, L, D) -> (1, L, D)``."""
+    for w_in, w_conv, b_conv, w_out in params:
+        u, z = jnp.split(x @ w_in, 2, axis=-1)
+        u = jax.nn.silu(conv(u, w_conv, b_conv))
+        x = x + (u * jax.nn.silu(z)) @ w_out
+    return x
+
+
+def _block_params(dim, inner, width, seed=11):
+    keys = [random(seed + i, shape, np.float32, scale=0.3) for i, shape in enumerate(
+        [(dim, 2 * inner), (width, inner), (inner,), (inner, dim)] * 2)]
+    return [tuple(keys[i : i + 4]) for i in (0, 4)]
+
+
+def test_the_causality_audit_passes_a_packed_mamba_block_and_fails_it_on_lax_conv():
+    """visible(p, q) = same document and not later: causal_conv1d with segment_ids passes at every
+    position; the same block on lax.conv depthwise (what a model writes by hand) leaks across documents."""
+    length, dim, inner, width = 24, 4, 6, 4
+    ids = np.repeat(np.arange(3), [7, 9, 8])[None].astype(np.int32)
+    params = _block_params(dim, inner, width)
+
+    def ours(u, w, b):
+        return causal_conv1d(u, w, b, segment_ids=ids)
+
+    def lax_conv(u, w, b):
+        y = jax.lax.conv_general_dilated(
+            u, w[:, None, :], (1,), [(width - 1, 0)], dimension_numbers=("NWC", "WIO", "NWC"),
+            feature_group_count=u.shape[-1],
+        )
+        return y + b
+
+    def visible(p, q):
+        return (ids[0][p[..., 0]] == ids[0][q[..., 0]]) & (q[..., 0] <= p[..., 0])
+
+    x = random(20, (1, length, dim))
+    passed = mk.audit_causal(lambda x: _mamba_style_block(params, x, ours), x, visible=visible, positions="all")
+    assert passed.passed, passed
+    leaky = mk.audit_causal(lambda x: _mamba_style_block(params, x, lax_conv), x, visible=visible, positions="all")
+    assert not leaky.passed
+    # The first document cannot leak; the first position of each later one reads the one before.
+    gradient = leaky.check("gradient")
+    failing = set(np.asarray(leaky.audited)[gradient.failing].tolist())
+    assert min(failing) == 7 and {7, 16} <= failing
+
