@@ -1,0 +1,294 @@
+"""Short causal convolutions of sequence models: ``causal_conv1d`` against what JAX users write.
+
+    python -m benchmarks.sequence --preset cpu --out benchmarks/results/sequence_cpu
+
+Shapes are Mamba-2 / gated-DeltaNet layers (``x: (B, L, D)``, a depthwise causal kernel
+of width ``W``, bias and SiLU, as their short convolutions run). For each shape, dtype
+and mode (``fwd``, ``bwd``, ``fwd+bwd``) it times, in one process with samples
+interleaved (``benchmarks.run.time_interleaved``):
+
+* ``causal_conv1d``: this library (``implementation=None``: what the platform gets);
+* ``lax.conv``: ``lax.conv_general_dilated(..., feature_group_count=D)``, the usual JAX
+  depthwise convolution (cuDNN on GPUs), in x's dtype with float32 accumulation;
+* ``shift-and-add``: a hand-written ``jnp`` sum over taps of shifted inputs times
+  weights, in float32, which XLA fuses: the simplest exact formulation.
+
+All three compute ``silu(conv(x) + bias)`` rounded once to x's dtype. Beside each time:
+the memory roofline, the bytes a fused kernel must move (``fwd``: read x, write y;
+``bwd``: read x and dy, write dx; small weight terms included) over the memory
+bandwidth (HBM 4.8 TB/s on an H200; on a CPU, a large array add measured in the same
+run). Writes ``OUT.jsonl`` (rows with the machine's metadata), ``OUT.md`` and
+``OUT.png``; prints the table and the issue's targets last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from maskconv_kernels.short_conv import causal_conv1d
+
+from .run import DTYPES, Preset, header, memory, metadata, quantile, time_interleaved
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+OURS, LAX, SHIFT = "causal_conv1d", "lax.conv", "shift-and-add"
+H200_HBM_BYTES_PER_S = 4.8e12
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqShape:
+    """``x: (batch, length, dim)``, ``weight: (width, dim)``."""
+
+    name: str
+    batch: int
+    length: int
+    dim: int
+    width: int
+
+
+def _mamba(batch, length, dim, width):
+    return SeqShape(f"B{batch}_L{length}_D{dim}_W{width}", batch, length, dim, width)
+
+
+PRESETS = {
+    # The issue's shape (Mamba-2 at D = 1536) in every width, both dtypes.
+    "cpu": (Preset(False, ("float32", "bfloat16"), MODES, samples=7, min_sample_s=0.05, warmup=1,
+                   max_input_sets=1, peak_n=0),
+            tuple(_mamba(4, 2048, 1536, w) for w in (4, 2, 3, 8))),
+    # Mamba-2 / GDN layers that fill an H200.
+    "gpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=25, min_sample_s=0.002, warmup=3,
+                   max_input_sets=4, peak_n=0),
+            (_mamba(8, 2048, 1536, 4), _mamba(4, 8192, 2048, 4), _mamba(8, 4096, 4096, 4), _mamba(8, 2048, 1536, 2),
+             _mamba(8, 2048, 1536, 3), _mamba(8, 2048, 1536, 8))),
+    # A smoke test (CI, tests): one small shape.
+    "quick": (Preset(False, ("float32",), MODES, samples=2, min_sample_s=0.0, warmup=1, max_input_sets=1,
+                     peak_n=0),
+              (_mamba(2, 256, 64, 4),)),
+}
+
+
+# --------------------------------------------------------------------------- the three formulations
+
+
+def _lax_conv(x, w, b):
+    d, width = x.shape[-1], w.shape[0]
+    y = lax.conv_general_dilated(
+        x, w[:, None, :].astype(x.dtype), (1,), [(width - 1, 0)], dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=d, preferred_element_type=jnp.float32,
+    )
+    return jax.nn.silu(y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def _shift_and_add(x, w, b):
+    width, length = w.shape[0], x.shape[1]
+    xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (width - 1, 0), (0, 0)))
+    y = sum(xp[:, t : t + length] * w[t].astype(jnp.float32) for t in range(width))
+    return jax.nn.silu(y + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def _ours(x, w, b):
+    return causal_conv1d(x, w, b, activation="silu")
+
+
+FORMULATIONS = {OURS: _ours, LAX: _lax_conv, SHIFT: _shift_and_add}
+
+
+def mode_fn(conv, mode: str):
+    """``f(x, w, b, dy)`` for one mode; ``fwd`` ignores ``dy``; ``bwd`` gives dx, dw and db."""
+    if mode == "fwd":
+        return lambda x, w, b, dy: conv(x, w, b)
+    if mode == "bwd":
+        return lambda x, w, b, dy: jax.vjp(conv, x, w, b)[1](dy)
+
+    def fwd_bwd(x, w, b, dy):
+        y, pull = jax.vjp(conv, x, w, b)
+        return y, pull(dy)
+
+    return fwd_bwd
+
+
+def ideal_bytes(shape: SeqShape, dtype, mode: str) -> int:
+    """What a fused kernel must move: activations once per read or write, the weights once."""
+    act = shape.batch * shape.length * shape.dim * np.dtype(dtype).itemsize
+    weights = (shape.width + 1) * shape.dim * 4
+    fwd, bwd = 2 * act + weights, 3 * act + 2 * weights  # bwd: read x and dy, write dx; dw, db
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
+def measure_bandwidth(preset: Preset) -> float:
+    """Bytes per second of a large elementwise add (two reads, one write), in this process."""
+    n = 64 << 20 >> 2  # 64 MiB of float32 per operand: well past any cache
+    a, b = jnp.ones((n,), jnp.float32), jnp.full((n,), 2.0, jnp.float32)
+    add = jax.jit(lambda a, b, _: a + b).lower(a, b, None).compile()
+    times = time_interleaved({"add": add}, [(a, b, None)], dataclasses.replace(preset, samples=5))
+    return 3 * 4 * n / statistics.median(times["add"])
+
+
+def _inputs(shape: SeqShape, dtype, n_sets: int):
+    sets = []
+    for i in range(n_sets):
+        kx, kw, kb, kd = jax.random.split(jax.random.PRNGKey(100 + i), 4)
+        x = jax.random.normal(kx, (shape.batch, shape.length, shape.dim), jnp.float32).astype(dtype)
+        w = jax.random.normal(kw, (shape.width, shape.dim), jnp.float32) / np.sqrt(shape.width)
+        b = 0.1 * jax.random.normal(kb, (shape.dim,), jnp.float32)
+        dy = jax.random.normal(kd, x.shape, jnp.float32).astype(dtype)
+        sets.append((x, w, b, dy))
+    return jax.block_until_ready(sets)
+
+
+def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: dict, bandwidth: float) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    argsets = _inputs(shape, dtype, preset.max_input_sets)
+    base = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype_name, "mode": mode,
+            "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth, **meta}
+    rows, compiled = {}, {}
+    for name, conv in FORMULATIONS.items():
+        row = dict(base, implementation=name)
+        try:
+            t = time.perf_counter()
+            compiled[name] = jax.jit(mode_fn(conv, mode)).lower(*argsets[0]).compile()
+            row["compile_s"] = time.perf_counter() - t
+            row.update(memory(compiled[name]))
+        except Exception as e:  # report it and carry on with the others
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        rows[name] = row
+    times = time_interleaved(compiled, argsets, preset)
+    roofline = base["ideal_bytes"] / bandwidth
+    for name, ts in times.items():
+        rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
+                          roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
+    for name in times:
+        for ref in (LAX, SHIFT):
+            if ref in times and name != ref:
+                rows[name][f"vs_{ref}"] = rows[ref]["median_s"] / rows[name]["median_s"]
+    return list(rows.values())
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _ms(s):
+    return "—" if s is None else f"{1e3 * s:.3g}"
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "Median ms (p20-p80); roofline = ideal bytes / bandwidth (the fraction of it achieved in brackets); "
+        f"speed-ups are {LAX}'s and {SHIFT}'s time over this row's.",
+        "",
+        "| shape | dtype | mode | implementation | median ms | p20-p80 ms | roofline ms (achieved) "
+        f"| vs {LAX} | vs {SHIFT} | peak MiB |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | error: "
+                         f"{r['error'][:80]} ||||||")
+            continue
+        if "median_s" not in r:
+            continue
+        vs = [f"{r[k]:.2f}x" if k in r else "—" for k in (f"vs_{LAX}", f"vs_{SHIFT}")]
+        peak = "—" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | {_ms(r['median_s'])} "
+            f"| {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {_ms(r['roofline_s'])} ({100 * r['frac_roofline']:.0f}%) "
+            f"| {vs[0]} | {vs[1]} | {peak} |"
+        )
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> str:
+    """Issue 19's bar, per shape and dtype: fwd+bwd within 1.25x of shift-and-add, at least 8x faster than lax.conv."""
+    lines = [f"| shape | dtype | {OURS} / {SHIFT} (<= 1.25) | {LAX} / {OURS} (>= 8) |", "|---|---|---:|---:|"]
+    for r in rows:
+        if r["implementation"] == OURS and r["mode"] == "fwd+bwd" and f"vs_{SHIFT}" in r and f"vs_{LAX}" in r:
+            over_shift, over_lax = 1 / r[f"vs_{SHIFT}"], r[f"vs_{LAX}"]
+            mark = lambda ok: "" if ok else " **missed**"  # noqa: E731
+            lines.append(f"| {r['shape']} | {r['dtype']} | {over_shift:.2f}x{mark(over_shift <= 1.25)} "
+                         f"| {over_lax:.1f}x{mark(over_lax >= 8)} |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in rows if r["mode"] == "fwd+bwd" and "median_s" in r]
+    cells = sorted({(r["shape"], r["dtype"]) for r in rs})
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells)), 4))
+    width = 0.8 / len(FORMULATIONS)
+    for i, name in enumerate(FORMULATIONS):
+        values = [next((r["frac_roofline"] for r in rs if (r["shape"], r["dtype"]) == c and r["implementation"] == name),
+                       0.0) for c in cells]
+        ax.bar(np.arange(len(cells)) + i * width, values, width, label=name)
+    ax.set_xticks(np.arange(len(cells)) + width, [f"{s}\n{d}" for s, d in cells], fontsize=7)
+    ax.set_ylabel("fraction of the memory roofline (fwd+bwd)")
+    ax.set_title(f"causal conv1d, forward + backward: {rows[0]['device']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(rows: list[dict], out: Path, chart_too: bool) -> None:
+    text = header(rows) + "\n\n" + markdown(rows) + "\n\n## Targets (fwd+bwd)\n\n" + targets(rows) + "\n"
+    Path(f"{out}.md").write_text(text)
+    if chart_too:
+        try:
+            chart(rows, Path(f"{out}.png"))
+        except ImportError as e:
+            print(f"no chart ({e}); install the bench extra: pip install '.[bench]'", file=sys.stderr)
+    print(text)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sequence", description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=["auto", *PRESETS], default="auto", help="auto: gpu on GPUs, cpu elsewhere")
+    parser.add_argument("--shapes", help="substring of shape names")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", choices=MODES)
+    parser.add_argument("--out", default=None, help="path prefix for .jsonl/.md/.png")
+    parser.add_argument("--no-chart", action="store_true")
+    args = parser.parse_args(argv)
+    platform_name = jax.default_backend()
+    name = args.preset if args.preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
+    preset, shapes = PRESETS[name]
+    if args.dtypes:
+        preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))
+    if args.modes:
+        preset = dataclasses.replace(preset, modes=tuple(args.modes))
+    shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
+    out = Path(args.out or Path(__file__).parent / "results" / f"sequence_{platform_name}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = metadata(name)
+    meta["command"] = " ".join(["python -m benchmarks.sequence", *(argv if argv is not None else sys.argv[1:])])
+    bandwidth = H200_HBM_BYTES_PER_S if platform_name == "gpu" else measure_bandwidth(preset)
+    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
+          file=sys.stderr)
+    rows: list[dict] = []
+    with open(f"{out}.jsonl", "w") as f:
+        for shape in shapes:
+            for dtype in preset.dtypes:
+                for mode in preset.modes:
+                    print(f"  {shape.name} {dtype} {mode}", file=sys.stderr, flush=True)
+                    for row in run_cell(shape, dtype, mode, preset, meta, bandwidth):
+                        rows.append(row)
+                        f.write(json.dumps(row) + "\n")
+                    f.flush()
+    write_outputs(rows, out, chart_too=not args.no_chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
