@@ -186,8 +186,10 @@ def sequence_sharded_causal_conv1d(
     one). A document that straddles a border is continued exactly: the halo's ids are
     the previous shard's. Each output is computed as ``causal_conv1d`` computes it on one
     device, so the result is the same, bit for bit. Differentiable in ``x``, ``weight``,
-    ``bias`` and ``initial_state``; the ``weight`` and ``bias`` gradients are summed over
-    the mesh.
+    ``bias`` and ``initial_state``, in forward and reverse mode; the ``weight`` and
+    ``bias`` gradients are summed over the mesh. The gradients equal one device's within
+    rounding, not bit for bit: a halo position's input gradient adds two shards' sums, and
+    the weight gradient is a ``psum`` of per-shard sums.
 
     Args:
       x: ``(B, L, D)``; ``L`` split over ``axis_name``, ``B`` over ``batch_axis``.
@@ -261,9 +263,11 @@ def sequence_sharded_causal_conv1d(
         y, candidate = out
         # The state is the shard's with the row's last non-padding position (the last
         # shard where there is none: its state is then zeros, as on one device).
-        has = jnp.ones(x.shape[:1], bool) if ids is None else jnp.any(ids >= 0, axis=1)
-        last = lax.pmax(jnp.where(has, index, -1), axis_name)
-        mine = index == jnp.where(last >= 0, last, shards - 1)
+        if ids is None:
+            mine = jnp.full(x.shape[:1], index == shards - 1)
+        else:
+            last = lax.pmax(jnp.where(jnp.any(ids >= 0, axis=1), index, -1), axis_name)
+            mine = index == jnp.where(last >= 0, last, shards - 1)
         return y[:, state_len:], _copy_from_one_shard(candidate, mine, axis_name)
 
     x_spec, row_spec = P(batch_axis, axis_name), P(batch_axis)
@@ -277,6 +281,7 @@ def sequence_sharded_causal_conv1d(
         lambda *args: shard(**dict(zip(names, args))), mesh,
         tuple(s for _, s in operands.values()), out_specs, *(a for a, _ in operands.values()),
     )
+
 
 def _shards(mesh: jax.sharding.Mesh, axis_name: str) -> int:
     if axis_name not in mesh.shape:
@@ -307,8 +312,8 @@ def _copy_from_one_shard(value: jax.Array, mine: jax.Array, axis_name: str) -> j
     """Row ``b`` of ``value`` ``(B, ...)`` from the one shard where ``mine[b]``, on every shard, bit for bit.
 
     A ``psum`` of the values' bits, as unsigned integers, to which every other shard adds
-    zeros: integer sums are exact, where a float ``psum`` would turn a ``-0.0`` into
-    ``0.0`` (XLA's CPU all-reduce does). Its derivative is the float ``psum`` of the
+    zeros: integer sums are exact, where XLA's CPU all-reduce of floats returns ``0.0``
+    for a ``-0.0`` (even when every other term is ``-0.0``). Its derivative is the float ``psum`` of the
     selected tangents, which is linear, so reverse mode transposes it.
     """
     unsigned = jnp.dtype(f"uint{8 * value.dtype.itemsize}")
