@@ -1,26 +1,29 @@
 """masked_conv on a device mesh: data parallel for every backend, spatial sharding for "xla".
 
-The checks need 8 devices, and XLA fixes the number of CPU devices when jax starts,
-before this module is imported. So in an ordinary run, ``test_on_8_forced_cpu_devices``
-runs this same file in a fresh interpreter with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8`` and fails with its output if any
-check fails; the checks themselves are marked to run only where 8 devices exist (that
-child, or a CI job that sets the flag for the whole run).
+The checks need 8 devices: in an ordinary run, ``test_on_8_forced_cpu_devices`` runs
+this same file in a fresh interpreter with 8 forced CPU devices
+(``conftest.run_on_forced_cpu_devices``).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, assert_second_order_close, random, second_order
+from conftest import (
+    N_DEVICES,
+    assert_close,
+    assert_second_order_close,
+    has_mesh_already,
+    needs_mesh,
+    random,
+    run_on_forced_cpu_devices,
+    second_order,
+)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import maskconv_kernels as mk
@@ -28,27 +31,11 @@ from maskconv_kernels import backends, core, spatial
 from maskconv_kernels.reference import masked_conv_reference
 from maskconv_kernels.spec import make_spec
 
-N_DEVICES = 8
-HAS_MESH = jax.default_backend() == "cpu" and jax.device_count() >= N_DEVICES
-needs_mesh = pytest.mark.skipif(
-    not HAS_MESH, reason=f"needs {N_DEVICES} CPU devices: run in a subprocess by test_on_8_forced_cpu_devices"
-)
 
 
-@pytest.mark.skipif(HAS_MESH, reason=f"this process has {N_DEVICES} devices: the checks run here directly")
+@has_mesh_already
 def test_on_8_forced_cpu_devices():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={N_DEVICES}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rs"],
-        env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"sharding checks failed on {N_DEVICES} CPU devices:\n{proc.stdout}\n{proc.stderr}"
-    # The child must have run the checks, not skipped them (it skips only this test).
-    skipped = re.findall(r"(\d+) skipped", proc.stdout)
-    assert skipped == ["1"], proc.stdout
+    run_on_forced_cpu_devices(__file__)
 
 
 # --------------------------------------------------------------------------- data parallel
