@@ -167,12 +167,16 @@ def as_segment_ids(segment_ids, x_shape) -> jax.Array:
         raise TypeError(
             f"segment_ids must hold integers (a document id per position, negative for padding), got dtype {dtype}"
         )
+    if dtype.kind == "u" and dtype.itemsize >= 4:
+        # Positions outside the input are padding, id -1 as every signed dtype spells it;
+        # an unsigned id would wrap it to a real one.
+        raise TypeError(f"segment_ids must be signed integers (negative ids mark padding), got {dtype}: use int32")
     expected = tuple(x_shape[:-1])
     if tuple(ids.shape) != expected:
         raise ValueError(
             f"segment_ids must have x's shape without its channels, (N, *spatial) = {expected}, got {tuple(ids.shape)}"
         )
-    return ids
+    return ids.astype(np.int32) if dtype.kind == "u" else ids
 
 
 def _float_dtype(subject: str, dtype) -> np.dtype:

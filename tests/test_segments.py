@@ -168,6 +168,7 @@ def test_mixed_dtypes_take_the_wider_products(dtype):
         (dict(segment_ids=np.zeros((2, 19), np.int32), strides=2), ValueError, r"segment_ids need an output on the input's grid"),
         (dict(segment_ids=np.zeros((2, 19), np.int32), padding="VALID"), ValueError, r"segment_ids need an output"),
         (dict(segment_ids="abc"), TypeError, r"segment_ids must be an array of integers"),
+        (dict(segment_ids=np.zeros((2, 19), np.uint32)), TypeError, r"segment_ids must be signed integers.*int32"),
     ],
 )
 def test_bad_segment_ids_say_what_is_wrong(change, error, match):
@@ -184,3 +185,12 @@ def test_kernel_backends_decline_segments_and_none_falls_back_to_xla():
     for name in ("pallas_triton", "pallas_mosaic_gpu", "triton"):
         assert "segment_ids" in mk.backends.get(name).unsupported(spec, "cuda")
     assert api.implementation_for(spec, "cuda") == "xla"
+
+
+def test_small_unsigned_ids_are_ids():
+    x, k, mask, ids, kw = _case("1d_k4_causal")
+    ids = np.where(ids < 0, 7, ids)
+    np.testing.assert_array_equal(
+        mk.masked_conv(x, k, mask, segment_ids=ids.astype(np.uint8), **kw),
+        mk.masked_conv(x, k, mask, segment_ids=ids.astype(np.int32), **kw),
+    )
