@@ -83,46 +83,64 @@ def _is_int(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tiles of the fused short-convolution kernels.
+    """Tiles of the fused short-convolution kernels: the forward's, and the backward's
+    (the input, weight and bias gradients; the state's gradient too).
 
     Attributes:
-      block_positions: positions per tile (a power of two, 16 to 1024). Each tap reloads
-        the tile shifted by up to ``(W-1) * dilation`` positions; those reloads hit the
-        cache, so HBM sees each element once plus the halo, ``(W-1) * dilation /
-        block_positions`` of it.
-      block_channels: channels per tile (a power of two, 16 to 1024): contiguous, so
-        each position's load is whole 128-byte lines from 64 16-bit channels on.
-      num_warps: warps per program (1, 2, 4, 8 or 16).
+      block_positions, backward_block_positions: positions per tile (a power of two, 16
+        to 1024). Each tap reloads the tile shifted by up to ``(W-1) * dilation``
+        positions; those reloads hit the cache, so HBM sees each element once plus the
+        halo, ``(W-1) * dilation / block_positions`` of it.
+      block_channels, backward_block_channels: channels per tile (a power of two, 16 to
+        1024): contiguous, so each position's load is whole 16-byte vectors.
+      num_warps, backward_num_warps: warps per program (1, 2, 4, 8 or 16).
       backward_splits: the most ranges the backward splits each channel block's position
         tiles into (each one program, its weight-gradient partial sum added in a fixed
         order afterwards); ``None``: enough programs to fill every SM twice.
+
+    The defaults, from ptxas at sm_90a (bfloat16 and float32, width 4, SiLU, segment ids
+    and a state): the forward at 32 x 128 and 4 warps holds 32 values of a tile per
+    thread (88 to 154 registers, no spills; 64 x 128 needs 235 to 255); the backward
+    keeps ``2W - 1`` input tiles and ``W`` cotangent tiles live, and ptxas gives it all
+    255 registers at any tile: 16 x 64 at 2 warps (16 values a thread) spills nothing,
+    32 x 128 at 4 warps spills 1.4 KB.
     """
 
-    block_positions: int = 64
+    block_positions: int = 32
     block_channels: int = 128
     num_warps: int = 4
+    backward_block_positions: int = 16
+    backward_block_channels: int = 64
+    backward_num_warps: int = 2
     backward_splits: int | None = None
 
     def __post_init__(self):
-        for field in ("block_positions", "block_channels"):
+        for field in ("block_positions", "block_channels", "backward_block_positions", "backward_block_channels"):
             value = getattr(self, field)
             if not _is_int(value) or not 16 <= value <= 1024 or value & (value - 1):
                 raise ValueError(f"BlockSizes.{field} must be a power of two from 16 to 1024, got {value!r}")
-        if not _is_int(self.num_warps) or self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"BlockSizes.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
+        for field in ("num_warps", "backward_num_warps"):
+            value = getattr(self, field)
+            if not _is_int(value) or value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"BlockSizes.{field} must be 1, 2, 4, 8 or 16, got {value!r}")
         splits = self.backward_splits
         if splits is not None and (not _is_int(splits) or splits < 1):
             raise ValueError(f"BlockSizes.backward_splits must be None or a positive int, got {splits!r}")
 
     @classmethod
     def get_default(cls, length: int, dim: int) -> BlockSizes:
-        """64 positions by 128 channels, smaller where the problem is: a float32 tile is then
-        8192 values, 64 registers a thread at 4 warps, and the halo of a width-4 filter
-        adds 5% to the reads."""
+        """The defaults (see the class), smaller where the sequence or the channels are."""
+        fit = lambda n, most: min(most, max(16, _next_pow2(n)))  # noqa: E731
         return cls(
-            block_positions=min(64, max(16, _next_pow2(length))),
-            block_channels=min(128, max(16, _next_pow2(dim))),
+            block_positions=fit(length, 32), block_channels=fit(dim, 128),
+            backward_block_positions=fit(length, 16), backward_block_channels=fit(dim, 64),
         )
+
+    def tile(self, backward: bool) -> tuple[int, int, int]:
+        """``(positions, channels, warps)`` of the forward's or the backward's tiles."""
+        if backward:
+            return self.backward_block_positions, self.backward_block_channels, self.backward_num_warps
+        return self.block_positions, self.block_channels, self.num_warps
 
     def splits(self, channel_blocks: int, position_tiles: int) -> int:
         """Position ranges per channel block in the backward: ``channel_blocks * splits``
@@ -172,81 +190,91 @@ def _gather(ref, index, c, mask):
     return plgpu.load(ref.at[(*idx, jnp.broadcast_to(c[None, :], shape))], mask=mask, other=0)
 
 
-class _Row:
-    """One row ``b`` and one channel block ``c`` as a program reads them, with the segment selects.
+class _Tile:
+    """Positions ``p + k`` of one row ``b`` and channel block ``c``, for static offsets ``k``.
 
-    Positions are int32 vectors; ``q < 0`` is the initial state's position ``q + S`` (it
-    exists only with a state), ``q >= L`` nothing.
+    ``p``: the tile's ``[n]`` int32 positions. A position ``q < 0`` is the initial
+    state's ``q + S`` (it exists only with a state), ``q >= L`` nothing. Each offset's
+    inputs, ids and cotangents are loaded once (the backward reads x at ``2W - 1``
+    offsets, not ``W^2``) with a bounds mask, and every term is kept or dropped by a
+    ``where`` select on the segment ids: a value of another document may sit in a
+    register, but it is never multiplied into a kept term, so it changes no output and
+    gets no gradient.
     """
 
-    def __init__(self, s: _Static, refs: dict, b, c, length: int):
-        self.s, self.refs, self.b, self.c, self.length = s, refs, b, c, length
-        self.c_ok = c < refs["x"].shape[-1]
+    def __init__(self, s: _Static, refs: dict, b, p, c, c_ok, length: int):
+        self.s, self.refs, self.b, self.p, self.c, self.c_ok, self.length = s, refs, b, p, c, c_ok, length
+        self._x, self._dy, self._doc = {}, {}, {}
 
     def _clamp(self, q):
         return jnp.clip(q, 0, self.length - 1)
 
-    def doc(self, q):
-        """Segment ids at ``q``; before position 0, the first position's (the state's document)."""
-        return plgpu.load(self.refs["ids"].at[self.b, self._clamp(q)])
+    def doc(self, k: int):
+        """Segment ids at ``p + k``; before position 0, the first position's (the state's document)."""
+        if k not in self._doc:
+            self._doc[k] = plgpu.load(self.refs["ids"].at[self.b, self._clamp(self.p + k)])
+        return self._doc[k]
 
-    def live(self, p):
-        """Outputs that exist and are not padding (padding outputs are zero constants)."""
-        ok = (p >= 0) & (p < self.length)
-        return ok & (self.doc(p) >= 0) if self.s.has_ids else ok
+    def exists(self, k: int):
+        """An input at ``p + k``: in the row, or in the initial state before it."""
+        q = self.p + k
+        return (q >= (-self.s.halo if self.s.has_state else 0)) & (q < self.length)
 
-    def reads(self, p, q, doc_p=None):
-        """Whether output ``p`` reads input ``q``: both exist, ``p`` is no padding, one document."""
-        ok = (p >= 0) & (p < self.length) & (q >= (-self.s.halo if self.s.has_state else 0)) & (q < self.length)
-        if self.s.has_ids:
-            doc_p = self.doc(p) if doc_p is None else doc_p
-            ok &= (self.doc(q) == doc_p) & (doc_p >= 0)
-        return ok
+    def live(self, k: int):
+        """Outputs at ``p + k`` that exist and are not padding (padding outputs are zero constants)."""
+        q = self.p + k
+        ok = (q >= 0) & (q < self.length)
+        return ok & (self.doc(k) >= 0) if self.s.has_ids else ok
 
-    def x(self, q, ok):
-        """float32 ``[n, channels]`` inputs at ``q`` where ``ok``, else 0 (from the state before 0)."""
-        mask = ok[:, None] & self.c_ok[None, :]
-        value = _gather(self.refs["x"], (self.b, self._clamp(q)), self.c, mask & (q >= 0)[:, None])
-        if self.s.has_state:
-            state = self.refs["state"]
-            from_state = _gather(state, (self.b, jnp.clip(q + self.s.halo, 0, self.s.halo - 1)), self.c,
-                                 mask & (q < 0)[:, None])
-            value = jnp.where((q < 0)[:, None], from_state, value)
-        return value.astype(jnp.float32)
+    def reads(self, k_out: int, k_in: int):
+        """Whether output ``p + k_out`` reads input ``p + k_in``: both exist, one document, no padding."""
+        ok = self.live(k_out) & self.exists(k_in)
+        return ok & (self.doc(k_in) == self.doc(k_out)) if self.s.has_ids else ok
 
-    def pre(self, p, w, bias):
-        """The pre-activation at outputs ``p``: ``bias + sum_t w[t] * x[p - back(t)]`` over the taps read, float32."""
-        doc_p = self.doc(p) if self.s.has_ids else None
-        acc = jnp.zeros((p.shape[0], self.c.shape[0]), jnp.float32)
+    def x(self, k: int):
+        """float32 ``[n, channels]`` inputs at ``p + k`` (0 where none exists)."""
+        if k not in self._x:
+            q = self.p + k
+            mask = self.exists(k)[:, None] & self.c_ok[None, :]
+            value = _gather(self.refs["x"], (self.b, self._clamp(q)), self.c, mask & (q >= 0)[:, None])
+            if self.s.has_state:
+                halo = self.s.halo
+                from_state = _gather(self.refs["state"], (self.b, jnp.clip(q + halo, 0, halo - 1)), self.c,
+                                     mask & (q < 0)[:, None])
+                value = jnp.where((q < 0)[:, None], from_state, value)
+            self._x[k] = value.astype(jnp.float32)
+        return self._x[k]
+
+    def pre(self, k: int, w, bias):
+        """The pre-activation at outputs ``p + k``: ``bias + sum_t w[t] * x[p + k - back(t)]`` over the taps read."""
+        acc = jnp.zeros((self.p.shape[0], self.c.shape[0]), jnp.float32)
         for t in range(self.s.width):
-            q = p - self.s.back(t)
-            acc = acc + w[t][None, :] * self.x(q, self.reads(p, q, doc_p))
+            k_in = k - self.s.back(t)
+            acc = acc + jnp.where(self.reads(k, k_in)[:, None], w[t][None, :] * self.x(k_in), 0.0)
         return acc if bias is None else acc + bias[None, :]
 
-    def dpre(self, r, w, bias):
-        """The cotangent of the pre-activation at outputs ``r`` (dSiLU at the recomputed
-        pre-activation), 0 at positions past the row and at padding."""
-        live = self.live(r)
-        g = _gather(self.refs["dy"], (self.b, self._clamp(r)), self.c, live[:, None] & self.c_ok[None, :])
-        g = g.astype(jnp.float32)
-        if self.s.silu:
-            z = self.pre(r, w, bias)
-            sig = jax.nn.sigmoid(z)
-            g = g * (sig * (1 + z * (1 - sig)))
-        return jnp.where(live[:, None], g, 0.0)
+    def dpre(self, k: int, w, bias):
+        """The cotangent of the pre-activation at outputs ``p + k`` (dSiLU at the recomputed
+        pre-activation), 0 past the row and at padding."""
+        if k not in self._dy:
+            q = self.p + k
+            inside = (q >= 0) & (q < self.length)
+            g = _gather(self.refs["dy"], (self.b, self._clamp(q)), self.c, inside[:, None] & self.c_ok[None, :])
+            g = g.astype(jnp.float32)
+            if self.s.silu:
+                z = self.pre(k, w, bias)
+                sig = jax.nn.sigmoid(z)
+                g = g * (sig * (1 + z * (1 - sig)))
+            self._dy[k] = jnp.where(self.live(k)[:, None], g, 0.0)
+        return self._dy[k]
 
-    def input_grad(self, q, w, bias):
-        """``(dx[q], dpre[q])``: ``dx[q] = sum_t w[t] * dpre[q + back(t)]`` over the outputs that read ``q``."""
-        acc = jnp.zeros((q.shape[0], self.c.shape[0]), jnp.float32)
-        dpre_q = None
+    def input_grad(self, w, bias):
+        """``dx[p] = sum_t w[t] * dpre[p + back(t)]``, seen from the reading side: over the outputs that read ``p``."""
+        acc = jnp.zeros((self.p.shape[0], self.c.shape[0]), jnp.float32)
         for t in range(self.s.width):
-            r = q + self.s.back(t)
-            dpre_r = self.dpre(r, w, bias)
-            if self.s.back(t) == 0:
-                dpre_q = dpre_r
-            # Seen from the reading side: output r's tap t reads q (same document, both exist).
-            acc = acc + jnp.where(self.reads(r, q)[:, None], w[t][None, :] * dpre_r, 0.0)
-        return acc, dpre_q
+            k_out = self.s.back(t)
+            acc = acc + jnp.where(self.reads(k_out, 0)[:, None], w[t][None, :] * self.dpre(k_out, w, bias), 0.0)
+        return acc
 
 
 def _vectors(s: _Static, refs: dict, c):
@@ -283,19 +311,19 @@ def _forward_kernel(*refs, s: _Static, tiles: int):
     Program ``(j, k)``: row ``j // tiles``, position tile ``j % tiles``, channel block ``k``.
     """
     r = _refs(s.operand_names("y"), refs)
-    bl, bd = s.blocks.block_positions, s.blocks.block_channels
+    bl, bd, _ = s.blocks.tile(backward=False)
     length = r["x"].shape[1]
     j = pl.program_id(0)
     b, l0, c0 = j // tiles, (j % tiles) * bl, pl.program_id(1) * bd
     p = l0 + jnp.arange(bl, dtype=jnp.int32)
     c = c0 + jnp.arange(bd, dtype=jnp.int32)
-    row = _Row(s, r, b, c, length)
+    c_ok = c < r["x"].shape[-1]
+    tile = _Tile(s, r, b, p, c, c_ok, length)
     w, bias = _vectors(s, r, c)
-    z = row.pre(p, w, bias)
+    z = tile.pre(0, w, bias)
     y = z * jax.nn.sigmoid(z) if s.silu else z
-    live = row.live(p)
-    y = jnp.where(live[:, None], y, 0.0)  # padding outputs are zeros, bias and activation included
-    _store(r["y"], b, l0, c0, y, (p < length)[:, None] & row.c_ok[None, :])
+    y = jnp.where(tile.live(0)[:, None], y, 0.0)  # padding outputs are zeros, bias and activation included
+    _store(r["y"], b, l0, c0, y, (p < length)[:, None] & c_ok[None, :])
 
 
 def _backward_kernel(*refs, s: _Static, tiles: int, trips: int):
@@ -308,14 +336,14 @@ def _backward_kernel(*refs, s: _Static, tiles: int, trips: int):
     channel block ``k``.
     """
     r = _refs(s.operand_names("dy", "dx", "dw", "db"), refs)
-    bl, bd = s.blocks.block_positions, s.blocks.block_channels
+    bl, bd, _ = s.blocks.tile(backward=True)
     batch, length = r["x"].shape[:2]
     split, c0 = pl.program_id(1), pl.program_id(0) * bd
     c = c0 + jnp.arange(bd, dtype=jnp.int32)
     c_ok = c < r["x"].shape[-1]
     w, bias = _vectors(s, r, c)
 
-    def tile(i, carry):
+    def step(i, carry):
         dw, db = carry
         j = split * trips + i
         b = jnp.minimum(j, batch * tiles - 1) // tiles
@@ -323,19 +351,17 @@ def _backward_kernel(*refs, s: _Static, tiles: int, trips: int):
         # reads, nothing is stored, nothing is added.
         l0 = jnp.where(j < batch * tiles, (j % tiles) * bl, length)
         p = l0 + jnp.arange(bl, dtype=jnp.int32)
-        row = _Row(s, r, b, c, length)
-        dx, dpre = row.input_grad(p, w, bias)
-        _store(r["dx"], b, l0, c0, dx, (p < length)[:, None] & c_ok[None, :])
-        doc_p = row.doc(p) if s.has_ids else None
-        new_dw = []
-        for t in range(s.width):
-            q = p - s.back(t)
-            ok = row.reads(p, q, doc_p)
-            new_dw.append(dw[t] + jnp.sum(jnp.where(ok[:, None], row.x(q, ok) * dpre, 0.0), axis=0))
+        tile = _Tile(s, r, b, p, c, c_ok, length)
+        _store(r["dx"], b, l0, c0, tile.input_grad(w, bias), (p < length)[:, None] & c_ok[None, :])
+        dpre = tile.dpre(0, w, bias)
+        new_dw = [
+            dw[t] + jnp.sum(jnp.where(tile.reads(0, -s.back(t))[:, None], tile.x(-s.back(t)) * dpre, 0.0), axis=0)
+            for t in range(s.width)
+        ]
         return tuple(new_dw), db + jnp.sum(dpre, axis=0)
 
     zero = jnp.zeros((bd,), jnp.float32)
-    dw, db = lax.fori_loop(0, trips, tile, (tuple(zero for _ in range(s.width)), zero))
+    dw, db = lax.fori_loop(0, trips, step, (tuple(zero for _ in range(s.width)), zero))
     for t in range(s.width):
         plgpu.store(r["dw"].at[split, jnp.int32(t), pl.ds(c0, bd)], dw[t], mask=c_ok)
     plgpu.store(r["db"].at[split, pl.ds(c0, bd)], db, mask=c_ok)
@@ -348,23 +374,23 @@ def _state_grad_kernel(*refs, s: _Static):
     ``(b, k)``: row ``b``, channel block ``k``.
     """
     r = _refs(s.operand_names("dy", "dstate"), refs)
-    bl, bd = s.blocks.block_positions, s.blocks.block_channels
+    bl, bd, _ = s.blocks.tile(backward=True)
     length = r["x"].shape[1]
     b, c0 = pl.program_id(0), pl.program_id(1) * bd
     c = c0 + jnp.arange(bd, dtype=jnp.int32)
-    row = _Row(s, r, b, c, length)
+    c_ok = c < r["x"].shape[-1]
     w, bias = _vectors(s, r, c)
     for start in range(0, s.halo, bl):
         q = start - s.halo + jnp.arange(bl, dtype=jnp.int32)
-        dq, _ = row.input_grad(q, w, bias)
-        _store(r["dstate"], b, start, c0, dq, (q < 0)[:, None] & row.c_ok[None, :])
+        dq = _Tile(s, r, b, q, c, c_ok, length).input_grad(w, bias)
+        _store(r["dstate"], b, start, c0, dq, (q < 0)[:, None] & c_ok[None, :])
 
 
 def _whole(a):
     return pl.BlockSpec(a.shape, lambda *_: (0,) * len(a.shape))
 
 
-def _pallas_call(kernel, name: str, s: _Static, grid, operands, out_shape):
+def _pallas_call(kernel, name: str, s: _Static, grid, operands, out_shape, backward: bool):
     return pl.pallas_call(
         kernel,
         name=name,
@@ -374,46 +400,45 @@ def _pallas_call(kernel, name: str, s: _Static, grid, operands, out_shape):
         out_shape=out_shape,
         # Explicitly Triton: since jax 0.9 a GPU pallas_call without compiler params
         # lowers through Mosaic GPU.
-        compiler_params=plgpu.CompilerParams(num_warps=s.blocks.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=s.blocks.tile(backward)[2], num_stages=1),
         interpret=s.interpret,
     )(*operands)
 
 
-def _channel_blocks(s: _Static, dim: int) -> int:
-    return -(-dim // s.blocks.block_channels)
+def _blocks(s: _Static, batch: int, length: int, dim: int, backward: bool) -> tuple[int, int]:
+    """``(position tiles of all rows, channel blocks)``."""
+    positions, channels, _ = s.blocks.tile(backward)
+    return batch * -(-length // positions), -(-dim // channels)
 
 
 def _forward(*operands, s: _Static):
     x = operands[0]
-    batch, length, dim = x.shape
-    tiles = -(-length // s.blocks.block_positions)
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    kernel = functools.partial(_forward_kernel, s=s, tiles=tiles)
-    return _pallas_call(kernel, "short_conv_fwd", s, (batch * tiles, _channel_blocks(s, dim)), operands, [out])
+    tiles, blocks = _blocks(s, *x.shape, backward=False)
+    kernel = functools.partial(_forward_kernel, s=s, tiles=tiles // x.shape[0])
+    out = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    return _pallas_call(kernel, "short_conv_fwd", s, (tiles, blocks), operands, out, backward=False)
 
 
 def _backward(*operands, s: _Static):
     """``(dx, dw_parts, db_parts)`` from the forward's operands and ``dy``."""
     x = operands[0]
-    batch, length, dim = x.shape
-    tiles = -(-length // s.blocks.block_positions)
-    blocks = _channel_blocks(s, dim)
-    splits = s.blocks.splits(blocks, batch * tiles)
-    trips = -(-batch * tiles // splits)
+    tiles, blocks = _blocks(s, *x.shape, backward=True)
+    splits = s.blocks.splits(blocks, tiles)
     out = [
         jax.ShapeDtypeStruct(x.shape, x.dtype),
-        jax.ShapeDtypeStruct((splits, s.width, dim), jnp.float32),
-        jax.ShapeDtypeStruct((splits, dim), jnp.float32),
+        jax.ShapeDtypeStruct((splits, s.width, x.shape[2]), jnp.float32),
+        jax.ShapeDtypeStruct((splits, x.shape[2]), jnp.float32),
     ]
-    kernel = functools.partial(_backward_kernel, s=s, tiles=tiles, trips=trips)
-    return _pallas_call(kernel, "short_conv_bwd", s, (blocks, splits), operands, out)
+    kernel = functools.partial(_backward_kernel, s=s, tiles=tiles // x.shape[0], trips=-(-tiles // splits))
+    return _pallas_call(kernel, "short_conv_bwd", s, (blocks, splits), operands, out, backward=True)
 
 
 def _state_grad(*operands, s: _Static):
     x = operands[0]
-    out = jax.ShapeDtypeStruct((x.shape[0], s.halo, x.shape[2]), x.dtype)
+    _, blocks = _blocks(s, *x.shape, backward=True)
+    out = [jax.ShapeDtypeStruct((x.shape[0], s.halo, x.shape[2]), x.dtype)]
     kernel = functools.partial(_state_grad_kernel, s=s)
-    return _pallas_call(kernel, "short_conv_bwd_state", s, (x.shape[0], _channel_blocks(s, x.shape[2])), operands, [out])
+    return _pallas_call(kernel, "short_conv_bwd_state", s, (x.shape[0], blocks), operands, out, backward=True)
 
 
 # --------------------------------------------------------------------------- primitives

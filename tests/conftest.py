@@ -190,3 +190,14 @@ def cuda_lowering():
         warnings.filterwarnings("error", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
         with gpu_target():
             yield
+
+
+def with_ttir_passes(backend=None, stages=None, options=None, language=None, capability=None):
+    """A stages hook: the TTGIR stage first runs the TTIR stage's passes (a .ttir file skips them).
+
+    Called without arguments, Triton asks for the hook's part of the cache key.
+    """
+    if backend is None:
+        return "-ttir-passes-first", "ttir-passes-first"
+    to_ttgir = stages["ttgir"]
+    stages["ttgir"] = lambda src, metadata: to_ttgir(backend.make_ttir(src, metadata, options, capability), metadata)

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import itertools
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, cuda_lowering, random
+from conftest import assert_close, cuda_lowering, random, with_ttir_passes
 
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
+from maskconv_kernels.hardware import COMPUTE_CAPABILITY
 from maskconv_kernels.short_conv_kernels import KERNELS, BlockSizes, final_state
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
 # Several position tiles, channel blocks and backward splits at test sizes.
-SMALL = BlockSizes(block_positions=16, block_channels=16, backward_splits=3)
+SMALL = BlockSizes(block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16,
+                   backward_splits=3)
 
 
 def _ids(seed, batch, length):
@@ -211,6 +214,61 @@ def test_value_and_grad_lowers_for_cuda_to_the_three_named_triton_kernels_and_no
     assert "stablehlo.convolution" not in text
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_kernels_compile_for_sm90_to_vector_loads_without_spills(dtype, monkeypatch, tmp_path):
+    """Mamba's shape (B=4, L=2048, D=1536, W=4, SiLU, segment ids, a state), default tiles.
+
+    The Triton IR jax's lowering hands to XLA, compiled for sm_90 by the ``triton``
+    package as at run time (its TTIR passes first: :func:`conftest.with_ttir_passes`),
+    then assembled by its ptxas with ``-v``: every kernel reads x and dy in 16-byte
+    vectors (channels contiguous) and spills no register.
+    """
+    triton = pytest.importorskip("triton", reason="compiling the kernels' Triton IR needs triton")
+    from jax._src.pallas.triton import lowering  # the one place jax exposes the Triton module it lowers to
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    if not hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+        pytest.skip(f"triton {triton.__version__} has no stages hook to run the TTIR passes as at run time")
+    modules = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", with_ttir_passes)
+    batch, length, dim = 4, 2048, 1536
+    x = jax.ShapeDtypeStruct((batch, length, dim), dtype)
+    state = jax.ShapeDtypeStruct((batch, 3, dim), dtype)
+    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    loss = lambda x, w, b, state, ids: causal_conv1d(  # noqa: E731
+        x, w, b, segment_ids=ids, initial_state=state, activation="silu", implementation="pallas_triton",
+    ).astype(jnp.float32).sum()
+    with cuda_lowering():
+        jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, w, b, state, ids).lower(
+            lowering_platforms=("cuda",))
+    blocks = BlockSizes.get_default(length, dim)
+    warps = {name: blocks.tile(backward=name != "short_conv_fwd")[2] for name in KERNELS}
+    assert len(modules) == len(KERNELS), len(modules)
+    for module in modules:
+        name = next(n for n in sorted(KERNELS, key=len, reverse=True) if n in module)
+        path = tmp_path / f"{name}.ttir"
+        path.write_text(module)
+        options = dict(num_warps=warps[name], num_stages=1, enable_fp_fusion=True)
+        ptx = triton.compile(str(path), target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=options).asm["ptx"]
+        assert "ld.global.v4.b32" in ptx, f"{name}: no 16-byte vector loads"
+        (tmp_path / f"{name}.ptx").write_text(ptx)
+        ptxas = get_ptxas(COMPUTE_CAPABILITY).path
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(tmp_path / f"{name}.ptx"), "-o", str(tmp_path / "k.cubin")],
+                             capture_output=True, text=True, check=True)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", run.stdout + run.stderr)]
+        assert spills and not any(spills), f"{name}: register spills ({run.stdout + run.stderr})"
+
+
 def test_lowering_elsewhere_needs_interpret_and_forward_mode_is_refused():
     x, w = jnp.ones((1, 5, 16), jnp.float32), jnp.ones((4, 16), jnp.float32)
     f = jax.jit(lambda x: causal_conv1d(x, w, implementation="pallas_triton"))
@@ -231,8 +289,9 @@ def test_vmap_over_examples_folds_into_the_batch():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("block_positions", 24), ("block_positions", 8), ("block_channels", 2048), ("block_channels", True),
-     ("num_warps", 3), ("backward_splits", 0), ("backward_splits", 1.5)],
+    [("block_positions", 24), ("backward_block_positions", 8), ("block_channels", 2048), ("block_channels", True),
+     ("backward_block_channels", 48), ("num_warps", 3), ("backward_num_warps", 32), ("backward_splits", 0),
+     ("backward_splits", 1.5)],
 )
 def test_block_sizes_are_validated(field, value):
     with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
@@ -240,8 +299,9 @@ def test_block_sizes_are_validated(field, value):
 
 
 def test_block_sizes_default_to_the_problem_and_splits_fill_the_sms():
-    assert BlockSizes.get_default(length=1, dim=5) == BlockSizes(block_positions=16, block_channels=16)
-    assert BlockSizes.get_default(length=8192, dim=4096) == BlockSizes(block_positions=64, block_channels=128)
+    assert BlockSizes.get_default(length=1, dim=5) == BlockSizes(
+        block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16)
+    assert BlockSizes.get_default(length=8192, dim=4096) == BlockSizes()
     blocks = BlockSizes()
     # 32 channel blocks x 9 splits fill 132 SMs twice; each split a whole number of tiles.
     assert blocks.splits(32, 1024) == 9
