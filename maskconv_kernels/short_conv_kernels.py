@@ -20,10 +20,11 @@ HBM once. Two kernels do all of it, on channels-last ``(B, L, D)`` arrays:
 
 Segment selects are the library's (:mod:`maskconv_kernels.depthwise`): tap ``t`` of
 output ``p`` reads input ``q = p - (W-1-t) * dilation`` only where ``ids[q] == ids[p] >=
-0``; the initial state belongs to the row's first document. A tap that is not read is a
-masked-off lane of its load, never dereferenced (a NaN in another document never enters
-a register), and gradients are kept by ``where`` selects, never by multiplying with a
-0/1 mask: the gradient across documents is exactly 0.0.
+0``; the initial state belongs to the row's first document. Positions outside the row
+(and the state) are masked-off lanes of a load, never dereferenced; within it, each term
+of a sum (a tap's product, a cotangent's contribution) is kept or dropped by a ``where``
+select, never multiplied by a 0/1 mask: a NaN in one document changes no other's
+output, and the gradient across documents is exactly 0.0.
 
 Why the Pallas Triton lowering and not Mosaic GPU (the project's direction): these are
 elementwise kernels whose every load is shifted by a few positions and selected per
@@ -70,7 +71,6 @@ IMPLEMENTATION = "pallas_triton"
 KERNELS = ("short_conv_fwd", "short_conv_bwd", "short_conv_bwd_state")
 _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _DEPRECATION = "The Pallas Triton backend is deprecated"
-_INT32_LIMIT = 2**31
 
 
 def _next_pow2(n: int) -> int:
@@ -196,10 +196,9 @@ class _Tile:
     ``p``: the tile's ``[n]`` int32 positions. A position ``q < 0`` is the initial
     state's ``q + S`` (it exists only with a state), ``q >= L`` nothing. Each offset's
     inputs, ids and cotangents are loaded once (the backward reads x at ``2W - 1``
-    offsets, not ``W^2``) with a bounds mask, and every term is kept or dropped by a
-    ``where`` select on the segment ids: a value of another document may sit in a
-    register, but it is never multiplied into a kept term, so it changes no output and
-    gets no gradient.
+    offsets, not ``W^2``) under a bounds mask, and every term is kept or dropped by a
+    ``where`` select on the segment ids: a value of another document is loaded, but
+    its terms are selected away, so it changes no output and gets no gradient.
     """
 
     def __init__(self, s: _Static, refs: dict, b, p, c, c_ok, length: int):
@@ -462,7 +461,6 @@ def _primitive(name: str, impl, foldable: bool, extra: tuple[str, ...] = ()) -> 
         return [jcore.ShapedArray(o.shape, o.dtype) for o in outs]
 
     prim.def_abstract_eval(abstract_eval)
-    lowered = {}
 
     def lowering(ctx, *operands, s):
         platforms = tuple(ctx.platforms or ctx.module_context.platforms)
@@ -473,11 +471,9 @@ def _primitive(name: str, impl, foldable: bool, extra: tuple[str, ...] = ()) -> 
                     "its kernels lower through Triton for NVIDIA GPUs (pass interpret=True to run them in the "
                     'Pallas interpreter, or use implementation="xla")'
                 )
-        if s not in lowered:
-            lowered[s] = mlir.lower_fun(functools.partial(impl, s=s), multiple_results=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_DEPRECATION, category=DeprecationWarning)
-            return lowered[s](ctx, *operands)
+            return mlir.lower_fun(functools.partial(impl, s=s), multiple_results=True)(ctx, *operands)
 
     mlir.register_lowering(prim, lowering)
 
@@ -582,11 +578,6 @@ def causal_conv1d_fused(
             f"BlockSizes(...) or None, got {type(config).__name__}"
         )
     batch, length, dim = x.shape
-    if batch * length >= _INT32_LIMIT:
-        raise NotImplementedError(
-            f'causal_conv1d(implementation="{IMPLEMENTATION}"): B * L = {batch * length} positions do not fit the '
-            "kernels' int32 position index; split the batch"
-        )
     width = weight.shape[0]
     s = _Static(
         width=int(width), dilation=int(dilation), silu=activation is not None, has_bias=bias is not None,

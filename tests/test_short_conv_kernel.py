@@ -1,6 +1,6 @@
 """The fused Pallas (Triton) kernels of ``causal_conv1d(implementation="pallas_triton")``.
 
-In the Pallas interpreter on CPU: the forward and final state against the float64
+Compiled on a GPU, in the Pallas interpreter elsewhere: the forward and final state against the float64
 oracle :func:`causal_conv1d_reference`; the gradients (x, weight, bias, initial state)
 against the library's ``xla`` path differentiated in float64; exactness across
 documents; run-to-run determinism. Without a GPU: the cuda lowering (the named Triton
@@ -10,20 +10,24 @@ command, the grid in the slow tier.
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, cuda_lowering, random, with_ttir_passes
+from conftest import ON_GPU, assert_close, cuda_lowering, random, with_ttir_passes
 
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
 from maskconv_kernels.hardware import COMPUTE_CAPABILITY
 from maskconv_kernels.short_conv_kernels import KERNELS, BlockSizes, final_state
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
+INTERPRET = not ON_GPU
 # Several position tiles, channel blocks and backward splits at test sizes.
 SMALL = BlockSizes(block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16,
                    backward_splits=3)
@@ -65,7 +69,7 @@ def _check(case, config=SMALL, seed=0, batch=2):
     kw = _kwargs(ids, state, activation, dilation)
 
     def fused(x, w, b, state):
-        return causal_conv1d(x, w, b, implementation="pallas_triton", interpret=True, config=config,
+        return causal_conv1d(x, w, b, implementation="pallas_triton", interpret=INTERPRET, config=config,
                              return_final_state=True, **(kw | dict(initial_state=state)))
 
     (y, final), vjp = jax.vjp(fused, x, w, b, state)
@@ -145,7 +149,7 @@ def test_nan_in_one_document_reaches_no_other_and_gradients_stay_inside():
     ids = _ids(8, batch, length)
     ids[0] = np.where(ids[0] >= 0, ids[0] + 100, ids[0])  # row 0's documents are not row 1's
     f = jax.jit(lambda x, state: causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu",
-                                               implementation="pallas_triton", interpret=True, config=SMALL))
+                                               implementation="pallas_triton", interpret=INTERPRET, config=SMALL))
     clean = np.asarray(f(x, state))
     doc = int(ids[1, 0])
     poisoned = jnp.where(jnp.asarray(ids != doc)[..., None], jnp.nan, x)  # every other document and the padding
@@ -168,7 +172,7 @@ def test_two_runs_are_bit_identical():
     def run():
         loss = lambda x, w, b, s: causal_conv1d(  # noqa: E731
             x, w, b, segment_ids=ids, initial_state=s, activation="silu", implementation="pallas_triton",
-            interpret=True, config=SMALL)
+            interpret=INTERPRET, config=SMALL)
         y, vjp = jax.vjp(loss, x, w, b, state)
         return [np.asarray(a) for a in (y, *vjp(dy))]
 
@@ -269,7 +273,7 @@ def test_kernels_compile_for_sm90_to_vector_loads_without_spills(dtype, monkeypa
         assert spills and not any(spills), f"{name}: register spills ({run.stdout + run.stderr})"
 
 
-def test_lowering_elsewhere_needs_interpret_and_forward_mode_is_refused():
+def test_lowering_elsewhere_needs_interpret_and_only_first_reverse_derivatives_run():
     x, w = jnp.ones((1, 5, 16), jnp.float32), jnp.ones((4, 16), jnp.float32)
     f = jax.jit(lambda x: causal_conv1d(x, w, implementation="pallas_triton"))
     with pytest.raises(NotImplementedError, match='platform "cpu".*interpret=True'):
@@ -277,12 +281,14 @@ def test_lowering_elsewhere_needs_interpret_and_forward_mode_is_refused():
     g = lambda x: causal_conv1d(x, w, implementation="pallas_triton", interpret=True)  # noqa: E731
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(g, (x,), (x,))
+    with pytest.raises(NotImplementedError, match="short_conv_bwd"):  # first derivatives only
+        jax.grad(lambda x: jax.grad(lambda x: g(x).sum())(x).sum())(x)
 
 
 def test_vmap_over_examples_folds_into_the_batch():
     x, w, b, _, _ = _case(13, 2, 9, 16, 3, 1, F32, F32)
     f = lambda x: causal_conv1d(x, w, b, activation="silu", implementation="pallas_triton",  # noqa: E731
-                                interpret=True, config=SMALL)
+                                interpret=INTERPRET, config=SMALL)
     stacked = jnp.stack([x, 2 * x])
     np.testing.assert_array_equal(jax.vmap(f)(stacked), jnp.stack([f(x), f(2 * x)]))
 
@@ -310,3 +316,18 @@ def test_block_sizes_default_to_the_problem_and_splits_fill_the_sms():
     with pytest.raises(TypeError, match="BlockSizes"):
         causal_conv1d(jnp.ones((1, 4, 8)), jnp.ones((2, 8)), implementation="pallas_triton", interpret=True,
                       config=dict(block_positions=16))
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_its_quick_cells(tmp_path, capsys):
+    """``benchmarks/short_conv_kernel.py --quick``: the three implementations agree and every cell has a time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
+    from benchmarks import short_conv_kernel
+
+    assert short_conv_kernel.main(["--quick", "--modes", "fwd+bwd", "--out", str(tmp_path / "rows")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert sorted(r["implementation"] for r in rows) == sorted(short_conv_kernel.IMPLEMENTATIONS)
+    for row in rows:
+        assert row["median_s"] > 0 and row["roofline_s"] > 0 and row["commit"]
+        assert row["max_abs_diff_vs_xla"] < 1e-4, row["implementation"]
+    assert "pallas_triton" in capsys.readouterr().out
