@@ -369,8 +369,9 @@ def _backward_kernel(*refs, s: _Static, tiles: int, trips: int):
 def _state_grad_kernel(*refs, s: _Static):
     """The initial state's gradient: the input gradient at positions ``-S .. -1`` of row ``b``.
 
-    Operands: as :func:`_backward_kernel`'s inputs; output dstate ``[B, S, D]``. Program
-    ``(b, k)``: row ``b``, channel block ``k``.
+    Operands: as :func:`_backward_kernel`'s inputs; output dstate ``[B, S_pad, D]``, the
+    state's ``S`` positions rounded up to whole tiles. Program ``(b, k)``: row ``b``,
+    channel block ``k``.
     """
     r = _refs(s.operand_names("dy", "dstate"), refs)
     bl, bd, _ = s.blocks.tile(backward=True)
@@ -435,9 +436,13 @@ def _backward(*operands, s: _Static):
 def _state_grad(*operands, s: _Static):
     x = operands[0]
     _, blocks = _blocks(s, *x.shape, backward=True)
-    out = [jax.ShapeDtypeStruct((x.shape[0], s.halo, x.shape[2]), x.dtype)]
+    # Whole tiles of state positions, cropped after: a store's slice must fit its array
+    # (jax 0.12 checks static ones), and the state is a few positions.
+    padded = -(-s.halo // s.blocks.backward_block_positions) * s.blocks.backward_block_positions
+    out = [jax.ShapeDtypeStruct((x.shape[0], padded, x.shape[2]), x.dtype)]
     kernel = functools.partial(_state_grad_kernel, s=s)
-    return _pallas_call(kernel, "short_conv_bwd_state", s, (x.shape[0], blocks), operands, out, backward=True)
+    (dstate,) = _pallas_call(kernel, "short_conv_bwd_state", s, (x.shape[0], blocks), operands, out, backward=True)
+    return [dstate[:, : s.halo]]
 
 
 # --------------------------------------------------------------------------- primitives
