@@ -96,7 +96,7 @@ class BlockSizes:
       num_warps, backward_num_warps: warps per program (1, 2, 4, 8 or 16).
       backward_splits: the most ranges the backward splits each channel block's position
         tiles into (each one program, its weight-gradient partial sum added in a fixed
-        order afterwards); ``None``: enough programs to fill every SM twice.
+        order afterwards); ``None``: enough programs to fill every SM four times.
 
     The defaults, from ptxas at sm_90a (bfloat16 and float32, width 4, SiLU, segment ids
     and a state): the forward at 32 x 128 and 4 warps holds 32 values of a tile per
@@ -144,8 +144,13 @@ class BlockSizes:
 
     def splits(self, channel_blocks: int, position_tiles: int) -> int:
         """Position ranges per channel block in the backward: ``channel_blocks * splits``
-        programs fill the SMs twice (or ``backward_splits`` caps them), none empty."""
-        wanted = self.backward_splits or -(-2 * SM_COUNT // channel_blocks)
+        programs fill every SM four times (or ``backward_splits`` caps them), none empty.
+
+        Four: the backward holds 255 registers a thread, so four 2-warp programs fit an
+        SM's 64K registers; each walks its tiles in order, and more of them keep more
+        loads in flight. The partial sums, ``splits * (W + 1) * D`` float32, are small.
+        """
+        wanted = self.backward_splits or -(-4 * SM_COUNT // channel_blocks)
         splits = max(1, min(wanted, position_tiles))
         return -(-position_tiles // -(-position_tiles // splits))
 

@@ -309,8 +309,8 @@ def test_block_sizes_default_to_the_problem_and_splits_fill_the_sms():
         block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16)
     assert BlockSizes.get_default(length=8192, dim=4096) == BlockSizes()
     blocks = BlockSizes()
-    # 32 channel blocks x 9 splits fill 132 SMs twice; each split a whole number of tiles.
-    assert blocks.splits(32, 1024) == 9
+    # 32 channel blocks x 17 splits fill 132 SMs four times; each split a whole number of tiles.
+    assert blocks.splits(32, 1024) == 17
     assert blocks.splits(32, 2) == 2 and blocks.splits(1, 7) == 7
     assert BlockSizes(backward_splits=1).splits(32, 1024) == 1
     with pytest.raises(TypeError, match="BlockSizes"):
