@@ -165,6 +165,26 @@ def test_nan_in_one_document_reaches_no_other_and_gradients_stay_inside():
     assert np.abs(gx[ids == doc]).sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_packed_documents_equal_documents_run_alone_bit_for_bit(dtype):
+    """Packed into one row, each document's outputs are its outputs alone (in its own
+    row, right-padded to the packed length), bit for bit: the packed-vs-unpacked check."""
+    lengths, dim, width = [13, 1, 20], 24, 4
+    docs = [random(20 + i, (n, dim), dtype) for i, n in enumerate(lengths)]
+    w, b = random(1, (width, dim), np.float32, scale=0.5), random(2, (dim,), np.float32)
+    total = sum(lengths)
+    packed = jnp.concatenate(docs)[None]
+    packed_ids = np.concatenate([np.full(n, 7 + i) for i, n in enumerate(lengths)])[None].astype(np.int32)
+    alone = jnp.stack([jnp.zeros((total, dim), dtype).at[:n].set(d) for d, n in zip(docs, lengths)])
+    alone_ids = np.stack([np.where(np.arange(total) < n, 3, -1) for n in lengths]).astype(np.int32)
+    f = jax.jit(lambda x, ids: causal_conv1d(x, w, b, segment_ids=ids, activation="silu", implementation="pallas_triton",
+                                             interpret=INTERPRET, config=SMALL))
+    y, y_alone = np.asarray(f(packed, packed_ids))[0], np.asarray(f(alone, alone_ids))
+    starts = np.cumsum([0, *lengths])
+    for i, n in enumerate(lengths):
+        np.testing.assert_array_equal(y[starts[i]:starts[i] + n], y_alone[i, :n])
+
+
 @pytest.mark.slow
 def test_two_runs_are_bit_identical():
     x, w, b, state, dy = _case(9, 2, 45, 20, 4, 1, BF16, F32)
