@@ -1,11 +1,13 @@
 """The fused Pallas (Triton) kernels of ``causal_conv1d(implementation="pallas_triton")``.
 
-Compiled on a GPU, in the Pallas interpreter elsewhere: the forward and final state against the float64
-oracle :func:`causal_conv1d_reference`; the gradients (x, weight, bias, initial state)
-against the library's ``xla`` path differentiated in float64; exactness across
-documents; run-to-run determinism. Without a GPU: the cuda lowering (the named Triton
-kernels, no convolution). Interpreted kernels are slow: two cases in the README's test
-command, the grid in the slow tier.
+Compiled on a GPU, in the Pallas interpreter elsewhere: the forward and final state
+against the float64 oracle :func:`causal_conv1d_reference`; the gradients (x, weight,
+bias, initial state) against the library's ``xla`` path differentiated in float64;
+exactness across documents (NaN isolation, exactly zero gradients, packed equals alone
+bit for bit); run-to-run determinism. Without a GPU: the cuda lowering (the named Triton
+kernels, no convolution) and an sm_90 compile (16-byte loads, no spills). Interpreted
+kernels are slow: two grid cases and the exactness checks in the README's test command,
+the grid in the slow tier.
 """
 from __future__ import annotations
 
