@@ -6,15 +6,19 @@
 # Stages, each under its own timeout so that one slow stage cannot eat the others:
 #   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
 #   2. the benchmark grid against cuDNN, most important cells first, with a
-#      time budget (python -m benchmarks.run --preset gpu)                  -> <gpu>.jsonl/.md/.png
-#   3. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
+#      time budget (python -m benchmarks.run --preset gpu; no chart: it is
+#      redrawn from the rows with python -m benchmarks.chart)               -> <gpu>.jsonl/.md
+#   3. causal_conv1d's fused Pallas kernels beside the XLA shift-and-add and
+#      cuDNN's depthwise convolution at Mamba-2/GDN shapes, each with the HBM
+#      roofline (python -m benchmarks.short_conv_kernel)                    -> short_conv.jsonl
+#   4. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
 #      (python -m maskconv_kernels)                                         -> leak_report.json
-#   4. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
+#   5. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
-#   5. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
+#   6. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
 #      ours, Mosaic GPU's default tiles, Pallas tiles swept, Triton's autotune,
 #      Mosaic GPU tiles swept (python -m benchmarks.tune)                    -> tune.json
-#   6. the summary table, printed last
+#   7. the summary tables, printed last
 # Everything goes to $OUT (default benchmarks/results/gpu-check), with the full log in
 # gpu_check.log: 8 files, the most the device machine returns.
 #
@@ -31,15 +35,17 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
-TUNE_TIMEOUT=${TUNE_TIMEOUT:-150}
-TUNE_BUDGET=${TUNE_BUDGET:-100}     # kernels started after this many seconds are skipped
+TUNE_TIMEOUT=${TUNE_TIMEOUT:-135}
+TUNE_BUDGET=${TUNE_BUDGET:-90}      # kernels started after this many seconds are skipped
 TUNE_ARGS=${TUNE_ARGS:-}            # e.g. "--dtypes bfloat16"
 PYTEST_K=${PYTEST_K:-}              # a pytest -k expression, e.g. "triton or pallas"
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-120}
 REPORT_TIMEOUT=${REPORT_TIMEOUT:-40}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-150}
-BENCH_BUDGET=${BENCH_BUDGET:-100}   # cells started after this many seconds are skipped
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-135}
+BENCH_BUDGET=${BENCH_BUDGET:-90}    # cells started after this many seconds are skipped
 BENCH_ARGS=${BENCH_ARGS:-}
+SHORT_CONV_TIMEOUT=${SHORT_CONV_TIMEOUT:-75}
+SHORT_CONV_BUDGET=${SHORT_CONV_BUDGET:-50}  # cells started after this many seconds are skipped
 mkdir -p "$OUT"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -91,14 +97,20 @@ stage "2. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_T
 # shellcheck disable=SC2086
 # stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
 timeout "$BENCH_TIMEOUT" "$PYTHON" -m benchmarks.run --preset gpu --time-budget "$BENCH_BUDGET" \
-  --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
+  --no-chart --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
 STATUS[bench]=${PIPESTATUS[0]}
 
-stage "3. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+stage "3. causal_conv1d's fused kernels, the shift-and-add and cuDNN depthwise (budget ${SHORT_CONV_BUDGET}s, limit ${SHORT_CONV_TIMEOUT}s)"
+# Its table is printed again in the summary.
+timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m benchmarks.short_conv_kernel --budget "$SHORT_CONV_BUDGET" \
+  --out "$OUT/short_conv" | tail -3
+STATUS[short_conv]=${PIPESTATUS[0]}
+
+stage "4. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
 timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
 STATUS[leak_report]=$?
 
-stage "4. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
+stage "5. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
 PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 # Compilation dominates: spread the tests over worker processes, which then share the
@@ -109,24 +121,28 @@ PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 # checks on CPU. Mosaic GPU's own suite goes first: it has never run compiled, and the
 # whole list did not finish in the first run's limit. Missing files are dropped (pytest
 # would stop at a path that does not exist).
-PYTEST_PATHS=${PYTEST_PATHS:-tests/test_mosaic_gpu.py tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py tests/test_dispatch.py}
+PYTEST_PATHS=${PYTEST_PATHS:-tests/test_mosaic_gpu.py tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py tests/test_dispatch.py tests/test_short_conv_kernel.py}
 PYTEST_PATHS=$(for f in $PYTEST_PATHS; do [ -e "$f" ] && echo "$f"; done | tr '\n' ' ')
 [ -n "$PYTEST_K" ] && PYTEST_ARGS+=(-k "$PYTEST_K")
 # shellcheck disable=SC2086
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
 STATUS[pytest]=${PIPESTATUS[0]}
 
-stage "5. per-kernel timings and tile sweep on the acceptance shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
+stage "6. per-kernel timings and tile sweep on the acceptance shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
 # shellcheck disable=SC2086
 timeout "$TUNE_TIMEOUT" "$PYTHON" -m benchmarks.tune --budget "$TUNE_BUDGET" --out "$OUT/tune.json" $TUNE_ARGS
 STATUS[tune]=$?
 
-stage "6. summary"
-# Re-rendered from the rows written so far, so an interrupted grid still gets its table and chart.
+stage "7. summary"
+# Re-rendered from the rows written so far, so an interrupted grid still gets its table.
 if [ -s "$OUT/$TAG.jsonl" ]; then
-  timeout 60 "$PYTHON" -m benchmarks.run --render "$OUT/$TAG.jsonl" | sed -n '/^## Summary/,$p'
+  timeout 60 "$PYTHON" -m benchmarks.run --render "$OUT/$TAG.jsonl" --no-chart | sed -n '/^## Summary/,$p'
 else
   echo "no benchmark rows"
+fi
+if [ -s "$OUT/short_conv.jsonl" ]; then
+  echo; echo "causal_conv1d (python -m benchmarks.short_conv_kernel):"
+  timeout 60 "$PYTHON" -m benchmarks.short_conv_kernel --render "$OUT/short_conv.jsonl"
 fi
 if [ -s "$OUT/leak_report.json" ]; then
   echo; echo "Seed experiments (python -m maskconv_kernels):"
@@ -174,7 +190,7 @@ fi
 echo
 echo "| stage | exit status |"
 echo "|---|---|"
-for s in env bench leak_report pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+for s in env bench short_conv leak_report pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START ))s"

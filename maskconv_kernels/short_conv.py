@@ -74,6 +74,8 @@ def causal_conv1d(
     activation: str | None = None,
     dilation: int = 1,
     implementation: str | None = None,
+    interpret: bool = False,
+    config=None,
 ):
     """Depthwise causal 1-D convolution: ``y[b, l, d] = act(bias[d] + sum_t weight[t, d] * x[b, l - (W-1-t) * dilation, d])``.
 
@@ -94,7 +96,14 @@ def causal_conv1d(
         and in an all-padding row).
       activation: ``None`` or ``"silu"`` (``"swish"``).
       dilation: the taps' spacing.
-      implementation: as in :func:`masked_conv` (``None``: chosen per platform).
+      implementation: as in :func:`masked_conv` (``None``: chosen per platform), except
+        ``"pallas_triton"``: the fused kernels of :mod:`maskconv_kernels.short_conv_kernels`
+        (bias, SiLU and selects in the convolution's one pass; NVIDIA GPUs, or any platform
+        with ``interpret=True``). Differentiable once, in reverse mode (a
+        ``jax.custom_vjp``): ``jax.jvp`` and second derivatives raise there.
+      interpret: run a kernel implementation in its interpreter (any platform, slowly).
+      config: the implementation's config (``short_conv_kernels.BlockSizes`` for
+        ``"pallas_triton"``), or ``None`` for its default.
 
     Returns:
       ``y``: ``(B, L, D)`` in x's dtype, accumulated in float32 (bias and activation
@@ -110,6 +119,9 @@ def causal_conv1d(
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)
         _check_state("initial_state", initial_state, batch, state_len, d, x.dtype)
+    if implementation == "pallas_triton":
+        return _fused(x, weight, bias, ids, initial_state, return_final_state, activation, dilation, config, interpret)
+    if initial_state is not None:
         # The state is the input before position 0, of the row's first document; the
         # outputs at the state's own positions are dropped.
         xe = jnp.concatenate([initial_state, x], axis=1)
@@ -118,7 +130,8 @@ def causal_conv1d(
     acc = jnp.promote_types(jnp.float32, jnp.promote_types(x.dtype, weight.dtype))
     y = masked_conv(
         xe, weight[:, None, :], np.ones(width, bool), padding="CAUSAL", dilation=dilation, feature_group_count=d,
-        preferred_element_type=acc, implementation=implementation, segment_ids=ide,
+        preferred_element_type=acc, implementation=implementation, segment_ids=ide, interpret=interpret,
+        config=config,
     )[:, xe.shape[1] - length :]
     if bias is not None:
         y = y + bias.astype(acc)
@@ -130,6 +143,19 @@ def causal_conv1d(
     if not return_final_state:
         return y
     return y, _final_state(xe, ide, state_len)
+
+
+def _fused(x, weight, bias, ids, initial_state, return_final_state, activation, dilation, config, interpret):
+    """The ``"pallas_triton"`` path: the fused kernels, and the final state by gathers."""
+    from . import short_conv_kernels  # Pallas: imported when this path runs
+
+    y = short_conv_kernels.causal_conv1d_fused(
+        x, weight, bias, ids, initial_state, activation=activation, dilation=dilation, config=config,
+        interpret=interpret,
+    )
+    if not return_final_state:
+        return y
+    return y, short_conv_kernels.final_state(x, initial_state, ids, (weight.shape[0] - 1) * dilation)
 
 
 def _final_state(xe, ids, state_len: int):

@@ -223,3 +223,14 @@ def run_on_forced_cpu_devices(test_file: str) -> None:
     # The child must have run the checks, not skipped them (it skips only the test that started it).
     skipped = re.findall(r"(\d+) skipped", proc.stdout)
     assert skipped == ["1"], proc.stdout
+
+
+def with_ttir_passes(backend=None, stages=None, options=None, language=None, capability=None):
+    """A stages hook: the TTGIR stage first runs the TTIR stage's passes (a .ttir file skips them).
+
+    Called without arguments, Triton asks for the hook's part of the cache key.
+    """
+    if backend is None:
+        return "-ttir-passes-first", "ttir-passes-first"
+    to_ttgir = stages["ttgir"]
+    stages["ttgir"] = lambda src, metadata: to_ttgir(backend.make_ttir(src, metadata, options, capability), metadata)

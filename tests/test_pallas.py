@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, cuda_lowering, random
+from conftest import assert_close, cuda_lowering, random, with_ttir_passes
 
 import maskconv_kernels as mk
 from maskconv_kernels import core, masked_conv_reference, pallas
@@ -163,7 +163,7 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     blocks = BlockSizes.get_default(spec, jnp.bfloat16)
     # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
     if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
-        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", _with_ttir_passes)
+        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", with_ttir_passes)
     else:  # older triton: wrap the backend's stages, and compile afresh (its cache key does not see this)
         from triton.backends.nvidia.compiler import CUDABackend
 
@@ -171,7 +171,7 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
 
         def with_passes(self, stages, options, *rest):
             add_stages(self, stages, options, *rest)
-            _with_ttir_passes(self, stages, options, None, self._parse_arch(options.arch))
+            with_ttir_passes(self, stages, options, None, self._parse_arch(options.arch))
 
         monkeypatch.setattr(CUDABackend, "add_stages", with_passes)
         monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
@@ -188,17 +188,6 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
         # accumulate fused into the wgmma, and one wgmma group kept in flight.
         assert "add.f32" not in ptx, f"kernel {i}: the accumulator is added separately from the wgmma"
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"kernel {i}: every wgmma is waited for at once"
-
-
-def _with_ttir_passes(backend=None, stages=None, options=None, language=None, capability=None):
-    """A stages hook: the TTGIR stage first runs the TTIR stage's passes (a .ttir file skips them).
-
-    Called without arguments, Triton asks for the hook's part of the cache key.
-    """
-    if backend is None:
-        return "-ttir-passes-first", "ttir-passes-first"
-    to_ttgir = stages["ttgir"]
-    stages["ttgir"] = lambda src, metadata: to_ttgir(backend.make_ttir(src, metadata, options, capability), metadata)
 
 
 _SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
