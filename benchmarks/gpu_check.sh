@@ -10,7 +10,7 @@
 #      redrawn from the rows with python -m benchmarks.chart)               -> <gpu>.jsonl/.md
 #   3. causal_conv1d's fused Pallas kernels beside the XLA shift-and-add and
 #      cuDNN's depthwise convolution at Mamba-2/GDN shapes, each with the HBM
-#      roofline (python -m benchmarks.short_conv_kernel)                    -> short_conv.jsonl
+#      roofline (python -m benchmarks.sequence)                              -> short_conv.jsonl
 #   4. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
 #      (python -m maskconv_kernels)                                         -> leak_report.json
 #   5. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
@@ -102,9 +102,10 @@ STATUS[bench]=${PIPESTATUS[0]}
 
 stage "3. causal_conv1d's fused kernels, the shift-and-add and cuDNN depthwise (budget ${SHORT_CONV_BUDGET}s, limit ${SHORT_CONV_TIMEOUT}s)"
 # Its table is printed again in the summary.
-timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m benchmarks.short_conv_kernel --budget "$SHORT_CONV_BUDGET" \
-  --out "$OUT/short_conv" | tail -3
+timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m benchmarks.sequence --preset gpu --budget "$SHORT_CONV_BUDGET" \
+  --no-chart --out "$OUT/short_conv" | tail -3
 STATUS[short_conv]=${PIPESTATUS[0]}
+rm -f "$OUT/short_conv.md"  # its table is in the log (the summary); the device returns 8 files at most
 
 stage "4. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
 timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
@@ -141,8 +142,8 @@ else
   echo "no benchmark rows"
 fi
 if [ -s "$OUT/short_conv.jsonl" ]; then
-  echo; echo "causal_conv1d (python -m benchmarks.short_conv_kernel):"
-  timeout 60 "$PYTHON" -m benchmarks.short_conv_kernel --render "$OUT/short_conv.jsonl"
+  echo; echo "causal_conv1d (python -m benchmarks.sequence):"
+  timeout 60 "$PYTHON" -m benchmarks.sequence --no-chart --render "$OUT/short_conv.jsonl"
 fi
 if [ -s "$OUT/leak_report.json" ]; then
   echo; echo "Seed experiments (python -m maskconv_kernels):"

@@ -1,24 +1,31 @@
 """Short causal convolutions of sequence models: ``causal_conv1d`` against what JAX users write.
 
     python -m benchmarks.sequence --preset cpu --out benchmarks/results/sequence_cpu
+    python -m benchmarks.sequence --out benchmarks/results/sequence_gpu      # on a GPU: preset gpu
+    python -m benchmarks.sequence --preset quick      # anywhere: one tiny shape, the kernels interpreted
 
 Shapes are Mamba-2 / gated-DeltaNet layers (``x: (B, L, D)``, a depthwise causal kernel
-of width ``W``, bias and SiLU, as their short convolutions run). For each shape, dtype
-and mode (``fwd``, ``bwd``, ``fwd+bwd``) it times, in one process with samples
-interleaved (``benchmarks.run.time_interleaved``):
+of width ``W``, float32 weights and bias, SiLU, as their short convolutions run). For
+each shape, dtype and mode (``fwd``, ``bwd``, ``fwd+bwd``) it times, in one process with
+samples interleaved (``benchmarks.run.time_interleaved``):
 
-* ``causal_conv1d``: this library (``implementation=None``: what the platform gets);
+* ``causal_conv1d``: this library, ``implementation=None`` (what the platform gets: the
+  exact shift-and-add of the ``xla`` backend, until the fused kernels are measured);
+* ``pallas_triton``: ``causal_conv1d(implementation="pallas_triton")``, the fused Pallas
+  kernels of :mod:`maskconv_kernels.short_conv_kernels` (on GPUs; interpreted in the
+  quick preset, to test the script);
 * ``lax.conv``: ``lax.conv_general_dilated(..., feature_group_count=D)``, the usual JAX
   depthwise convolution (cuDNN on GPUs), in x's dtype with float32 accumulation;
 * ``shift-and-add``: a hand-written ``jnp`` sum over taps of shifted inputs times
   weights, in float32, which XLA fuses: the simplest exact formulation.
 
-All three compute ``silu(conv(x) + bias)`` rounded once to x's dtype. Beside each time:
-the memory roofline, the bytes a fused kernel must move (``fwd``: read x, write y;
-``bwd``: read x and dy, write dx; small weight terms included) over the memory
-bandwidth (HBM 4.8 TB/s on an H200; on a CPU, a large array add measured in the same
-run). Writes ``OUT.jsonl`` (rows with the machine's metadata), ``OUT.md`` and
-``OUT.png``; prints the table and the issue's targets last.
+All compute ``silu(conv(x) + bias)`` rounded once to x's dtype; the first cell's outputs
+are compared with the shift-and-add's. Beside each time: the memory roofline, the bytes
+a fused kernel must move (``fwd``: read x, write y; ``bwd``: read x and dy, write dx; the
+weights once) over the memory bandwidth (HBM, 4.8 TB/s on an H200; on a CPU, a large
+array add measured in the same run). Writes ``OUT.jsonl`` (rows with the machine's
+metadata) as it goes, then ``OUT.md`` and ``OUT.png``; prints the table and the issue's
+targets last. ``--render OUT.jsonl`` prints an earlier (or interrupted) run's.
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ from maskconv_kernels.short_conv import causal_conv1d
 from .run import DTYPES, Preset, header, memory, metadata, quantile, time_interleaved
 
 MODES = ("fwd", "bwd", "fwd+bwd")
-OURS, LAX, SHIFT = "causal_conv1d", "lax.conv", "shift-and-add"
+OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
 H200_HBM_BYTES_PER_S = 4.8e12
 
 
@@ -64,19 +71,19 @@ PRESETS = {
     "cpu": (Preset(False, ("float32", "bfloat16"), MODES, samples=7, min_sample_s=0.05, warmup=1,
                    max_input_sets=1, peak_n=0),
             tuple(_mamba(4, 2048, 1536, w) for w in (4, 2, 3, 8))),
-    # Mamba-2 / GDN layers that fill an H200.
-    "gpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=25, min_sample_s=0.002, warmup=3,
+    # Mamba-2 130M's conv channels at 2k, a GDN layer at 4k, D = 4096 at 8k; the other widths.
+    "gpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=15, min_sample_s=0.002, warmup=2,
                    max_input_sets=4, peak_n=0),
-            (_mamba(8, 2048, 1536, 4), _mamba(4, 8192, 2048, 4), _mamba(8, 4096, 4096, 4), _mamba(8, 2048, 1536, 2),
-             _mamba(8, 2048, 1536, 3), _mamba(8, 2048, 1536, 8))),
-    # A smoke test (CI, tests): one small shape.
+            (_mamba(4, 2048, 1536, 4), _mamba(8, 4096, 2048, 4), _mamba(4, 8192, 4096, 4),
+             _mamba(4, 2048, 1536, 2), _mamba(4, 2048, 1536, 3), _mamba(4, 2048, 1536, 8))),
+    # A smoke test (CI, tests): one small shape, the fused kernels interpreted off a GPU.
     "quick": (Preset(False, ("float32",), MODES, samples=2, min_sample_s=0.0, warmup=1, max_input_sets=1,
                      peak_n=0),
-              (_mamba(2, 256, 64, 4),)),
+              (_mamba(1, 40, 24, 4),)),
 }
 
 
-# --------------------------------------------------------------------------- the three formulations
+# --------------------------------------------------------------------------- the formulations
 
 
 def _lax_conv(x, w, b):
@@ -95,11 +102,16 @@ def _shift_and_add(x, w, b):
     return jax.nn.silu(y + b.astype(jnp.float32)).astype(x.dtype)
 
 
-def _ours(x, w, b):
-    return causal_conv1d(x, w, b, activation="silu")
-
-
-FORMULATIONS = {OURS: _ours, LAX: _lax_conv, SHIFT: _shift_and_add}
+def formulations(platform_name: str, preset_name: str) -> dict:
+    """Name -> ``f(x, w, b)``. The fused kernels run compiled on GPUs and interpreted only in the quick
+    preset (anywhere else they would take hours)."""
+    found = {OURS: lambda x, w, b: causal_conv1d(x, w, b, activation="silu")}
+    if platform_name == "gpu" or preset_name == "quick":
+        interpret = platform_name != "gpu"
+        found[FUSED] = lambda x, w, b: causal_conv1d(
+            x, w, b, activation="silu", implementation="pallas_triton", interpret=interpret
+        )
+    return {**found, LAX: _lax_conv, SHIFT: _shift_and_add}
 
 
 def mode_fn(conv, mode: str):
@@ -145,13 +157,21 @@ def _inputs(shape: SeqShape, dtype, n_sets: int):
     return jax.block_until_ready(sets)
 
 
-def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: dict, bandwidth: float) -> list[dict]:
+def cells(shapes, preset: Preset):
+    """The most informative first (a time budget cuts the rest): the first shape in every dtype and
+    mode, then every other shape's fwd+bwd, then their single passes."""
+    grid = [(s, d, m) for s in shapes for d in preset.dtypes for m in preset.modes]
+    return sorted(grid, key=lambda c: (c[0] != shapes[0], c[2] != "fwd+bwd", preset.dtypes.index(c[1])))
+
+
+def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: dict, bandwidth: float,
+             found: dict, compare: bool = False) -> list[dict]:
     dtype = DTYPES[dtype_name]
     argsets = _inputs(shape, dtype, preset.max_input_sets)
-    base = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype_name, "mode": mode,
-            "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth, **meta}
+    base = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype_name, "weight_dtype": "float32",
+            "mode": mode, "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth, **meta}
     rows, compiled = {}, {}
-    for name, conv in FORMULATIONS.items():
+    for name, conv in found.items():
         row = dict(base, implementation=name)
         try:
             t = time.perf_counter()
@@ -170,6 +190,12 @@ def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: 
         for ref in (LAX, SHIFT):
             if ref in times and name != ref:
                 rows[name][f"vs_{ref}"] = rows[ref]["median_s"] / rows[name]["median_s"]
+    if compare and SHIFT in compiled:
+        reference = jax.tree_util.tree_leaves(compiled[SHIFT](*argsets[0]))
+        for name in compiled:
+            got = jax.tree_util.tree_leaves(compiled[name](*argsets[0]))
+            rows[name]["max_abs_diff_vs_shift"] = max(
+                float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32)))) for a, r in zip(got, reference))
     return list(rows.values())
 
 
@@ -208,13 +234,14 @@ def markdown(rows: list[dict]) -> str:
 
 def targets(rows: list[dict]) -> str:
     """Issue 19's bar, per shape and dtype: fwd+bwd within 1.25x of shift-and-add, at least 8x faster than lax.conv."""
-    lines = [f"| shape | dtype | {OURS} / {SHIFT} (<= 1.25) | {LAX} / {OURS} (>= 8) |", "|---|---|---:|---:|"]
+    lines = [f"| shape | dtype | implementation | time / {SHIFT}'s (<= 1.25) | {LAX}'s time / this (>= 8) |",
+             "|---|---|---|---:|---:|"]
     for r in rows:
-        if r["implementation"] == OURS and r["mode"] == "fwd+bwd" and f"vs_{SHIFT}" in r and f"vs_{LAX}" in r:
+        if r["implementation"] in (OURS, FUSED) and r["mode"] == "fwd+bwd" and f"vs_{SHIFT}" in r and f"vs_{LAX}" in r:
             over_shift, over_lax = 1 / r[f"vs_{SHIFT}"], r[f"vs_{LAX}"]
             mark = lambda ok: "" if ok else " **missed**"  # noqa: E731
-            lines.append(f"| {r['shape']} | {r['dtype']} | {over_shift:.2f}x{mark(over_shift <= 1.25)} "
-                         f"| {over_lax:.1f}x{mark(over_lax >= 8)} |")
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['implementation']} | {over_shift:.2f}x"
+                         f"{mark(over_shift <= 1.25)} | {over_lax:.1f}x{mark(over_lax >= 8)} |")
     return "\n".join(lines)
 
 
@@ -227,8 +254,9 @@ def chart(rows: list[dict], path: Path) -> None:
     rs = [r for r in rows if r["mode"] == "fwd+bwd" and "median_s" in r]
     cells = sorted({(r["shape"], r["dtype"]) for r in rs})
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells)), 4))
-    width = 0.8 / len(FORMULATIONS)
-    for i, name in enumerate(FORMULATIONS):
+    names = list(dict.fromkeys(r["implementation"] for r in rs))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
         values = [next((r["frac_roofline"] for r in rs if (r["shape"], r["dtype"]) == c and r["implementation"] == name),
                        0.0) for c in cells]
         ax.bar(np.arange(len(cells)) + i * width, values, width, label=name)
@@ -241,8 +269,16 @@ def chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(rows: list[dict], out: Path, chart_too: bool) -> None:
+def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
+    """Prints the tables; with ``out``, also writes ``out.md`` and (``chart_too``) ``out.png``."""
     text = header(rows) + "\n\n" + markdown(rows) + "\n\n## Targets (fwd+bwd)\n\n" + targets(rows) + "\n"
+    diffs = [f"{r['implementation']} {r['shape']} {r['dtype']} {r['mode']}: {r['max_abs_diff_vs_shift']:.3g}"
+             for r in rows if "max_abs_diff_vs_shift" in r]
+    if diffs:
+        text += f"\nmax |difference| from {SHIFT}: " + "; ".join(diffs) + "\n"
+    if out is None:
+        print(text)
+        return
     Path(f"{out}.md").write_text(text)
     if chart_too:
         try:
@@ -258,9 +294,16 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", help="substring of shape names")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
     parser.add_argument("--modes", nargs="+", choices=MODES)
+    parser.add_argument("--budget", type=float, default=None, help="seconds; stop starting new cells after this")
     parser.add_argument("--out", default=None, help="path prefix for .jsonl/.md/.png")
     parser.add_argument("--no-chart", action="store_true")
+    parser.add_argument("--render", metavar="JSONL", help="only print the tables of an earlier (or interrupted) run")
     args = parser.parse_args(argv)
+    if args.render:
+        rows = [json.loads(line) for line in Path(args.render).read_text().splitlines() if line.strip()]
+        if rows:
+            write_outputs(rows, None, chart_too=False)
+        return 0 if rows else 1
     platform_name = jax.default_backend()
     name = args.preset if args.preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
     preset, shapes = PRESETS[name]
@@ -276,18 +319,21 @@ def main(argv=None) -> int:
     bandwidth = H200_HBM_BYTES_PER_S if platform_name == "gpu" else measure_bandwidth(preset)
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
           file=sys.stderr)
-    rows: list[dict] = []
+    found = formulations(platform_name, name)
+    grid = cells(shapes, preset)
+    start, rows = time.perf_counter(), []
     with open(f"{out}.jsonl", "w") as f:
-        for shape in shapes:
-            for dtype in preset.dtypes:
-                for mode in preset.modes:
-                    print(f"  {shape.name} {dtype} {mode}", file=sys.stderr, flush=True)
-                    for row in run_cell(shape, dtype, mode, preset, meta, bandwidth):
-                        rows.append(row)
-                        f.write(json.dumps(row) + "\n")
-                    f.flush()
+        for i, (shape, dtype, mode) in enumerate(grid):
+            if args.budget is not None and time.perf_counter() - start > args.budget:
+                print(f"time budget of {args.budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
+                break
+            print(f"  {shape.name} {dtype} {mode}", file=sys.stderr, flush=True)
+            for row in run_cell(shape, dtype, mode, preset, meta, bandwidth, found, compare=i == 0):
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+            f.flush()
     write_outputs(rows, out, chart_too=not args.no_chart)
-    return 0
+    return 0 if rows and not any("error" in r for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """The sequence benchmark (benchmarks/sequence.py) compares like with like, and its rows carry their metadata."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from conftest import assert_close
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
-from benchmarks import run as bench  # noqa: E402
 from benchmarks import sequence  # noqa: E402
 
 
@@ -17,7 +18,8 @@ def test_the_three_formulations_compute_the_same_function():
     """causal_conv1d, lax.conv depthwise and the shift-and-add: silu(conv + bias) rounded once, and the same gradients."""
     preset, (shape,) = sequence.PRESETS["quick"]
     (x, w, b, dy), = sequence._inputs(shape, np.float32, 1)
-    outs = {name: jax.jit(sequence.mode_fn(f, "fwd+bwd"))(x, w, b, dy) for name, f in sequence.FORMULATIONS.items()}
+    found = sequence.formulations("cpu", "cpu")  # the fused kernels' own tests compare them
+    outs = {name: jax.jit(sequence.mode_fn(f, "fwd+bwd"))(x, w, b, dy) for name, f in found.items()}
     ref_y, (ref_dx, ref_dw, ref_db) = outs[sequence.SHIFT]
     scale = float(np.abs(np.asarray(x)).max() * np.abs(np.asarray(w)).max()) + 1
     for name, (y, (dx, dw, db)) in outs.items():
@@ -27,10 +29,12 @@ def test_the_three_formulations_compute_the_same_function():
         assert_close(db, ref_db, np.float32, 2 * shape.batch * shape.length, 4.0)
 
 
-def test_a_cell_times_every_formulation_with_metadata():
-    preset, (shape,) = sequence.PRESETS["quick"]
-    rows = sequence.run_cell(shape, "float32", "fwd+bwd", preset, bench.metadata("quick"), bandwidth=1e10)
-    assert {r["implementation"] for r in rows} == set(sequence.FORMULATIONS)
+@pytest.mark.slow
+def test_a_cell_times_every_formulation_with_metadata(tmp_path):
+    """The quick preset end to end (the fused kernels interpreted): rows, metadata, tables."""
+    assert sequence.main(["--preset", "quick", "--modes", "fwd+bwd", "--no-chart", "--out", str(tmp_path / "q")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert {r["implementation"] for r in rows} == set(sequence.formulations("cpu", "quick"))
     for r in rows:
         assert "error" not in r, r["error"]
         for key in ("device", "jax", "commit", "time_utc", "median_s", "p20_s", "p80_s", "roofline_s", "ideal_bytes"):
@@ -38,4 +42,6 @@ def test_a_cell_times_every_formulation_with_metadata():
         assert r["p20_s"] <= r["median_s"] <= r["p80_s"]
     ours = next(r for r in rows if r["implementation"] == sequence.OURS)
     assert ours["vs_lax.conv"] > 0 and ours["vs_shift-and-add"] > 0
-    assert "| B2_L256_D64_W4 | float32 |" in sequence.targets(rows)
+    assert all(r["max_abs_diff_vs_shift"] < 1e-5 for r in rows)  # the first cell's outputs, compared
+    assert f"| {ours['shape']} | float32 | causal_conv1d |" in sequence.targets(rows)
+    assert (tmp_path / "q.md").read_text().startswith("Device:")
