@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, random
+from conftest import assert_close, cuda_lowering, random
 
 from maskconv_kernels.short_conv import (
     PAD_SLOT_ID,
@@ -230,6 +230,20 @@ def test_the_pool_is_updated_in_place_under_jit_with_donation(circular):
     address = pool.unsafe_buffer_pointer()
     _, new = update(x, pool, indices, seqlens)
     assert pool.is_deleted() and new.unsafe_buffer_pointer() == address
+
+
+def test_lowered_for_cuda_the_pool_is_donated_and_scattered():
+    """What a GPU server compiles (implementation=None, bfloat16 activations): the pool aliased, no convolution."""
+    update = jax.jit(
+        lambda x, pool, w, b, idx: causal_conv1d_update(x, pool, w, b, activation="silu", state_indices=idx),
+        donate_argnums=1,
+    )
+    shapes = [((8, 1, 512), jnp.bfloat16), ((64, 3, 512), jnp.bfloat16), ((4, 512), jnp.float32),
+              ((512,), jnp.float32), ((8,), jnp.int32)]
+    with cuda_lowering():
+        text = update.trace(*(jax.ShapeDtypeStruct(*s) for s in shapes)).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"tf\.aliasing_output = (\d+)", text) == ["1"]  # the pool argument is the second output
+    assert "stablehlo.scatter" in text and "stablehlo.convolution" not in text
 
 
 # --------------------------------------------------------------------------- bad input
