@@ -7,6 +7,9 @@ reads every tap and multiplies the masked ones by zero, so a NaN or Inf under a 
 reaches the output (``0 * NaN = NaN``), and on GPUs a Winograd or FFT convolution mixes
 neighbouring windows. ``MaskedConv`` calls :func:`maskconv_kernels.masked_conv`, which
 never reads a masked tap.
+
+``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers
+(:func:`maskconv_kernels.short_conv.causal_conv1d`), with ``decode=True`` for serving.
 """
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import PaddingLike, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from maskconv_kernels.flax import _conv, _decode
+from maskconv_kernels.flax import _conv, _decode, _short_conv
+from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
 
-__all__ = ["MaskedConv"]
+__all__ = ["MaskedConv", "ShortConv"]
 
 
 class MaskedConv(nn.Module):
@@ -176,3 +180,101 @@ class MaskedConv(nn.Module):
             precision=self.precision,
         )
         return y
+
+
+class ShortConv(nn.Module):
+    """The short causal convolution of Mamba / Mamba-2 / gated DeltaNet layers, as a module.
+
+    :func:`maskconv_kernels.short_conv.causal_conv1d` with its parameters.
+
+    Parameters as those layers hold them: ``weight`` ``(kernel_size, D)`` and ``bias``
+    ``(D,)``, initialised as PyTorch's ``Conv1d(D, D, kernel_size, groups=D)``
+    (``uniform(±1/sqrt(kernel_size))`` for both; a PyTorch weight ``(D, 1, W)`` loads as
+    ``w[:, 0, :].T``); ``D`` is the input's last dim::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from maskconv_kernels.flax import ShortConv
+        >>> layer = ShortConv(kernel_size=4, activation="silu")
+        >>> variables = layer.init(jax.random.key(0), jnp.ones((2, 16, 8)))
+        >>> jax.tree_util.tree_map(jnp.shape, variables)
+        {'params': {'bias': (8,), 'weight': (4, 8)}}
+
+    Attributes:
+      kernel_size: the width ``W``.
+      dilation: the taps' spacing.
+      use_bias: add a ``(D,)`` bias (Mamba: yes; gated DeltaNet: no).
+      activation: ``None`` or ``"silu"`` (``"swish"``), applied in float32 after the bias.
+      dtype: the dtype of the outputs and of the decode state (the input is cast to it);
+        ``None`` keeps the input's. The weight and bias stay in ``param_dtype``: products
+        in the wider dtype, accumulated in float32 (Mamba's float32 weights with bfloat16
+        activations).
+      param_dtype: the dtype of ``weight`` and ``bias``.
+      weight_init: initialiser of ``weight`` (default PyTorch's, as above).
+      bias_init: initialiser of ``bias``; ``None`` is PyTorch's ``uniform(±1/sqrt(kernel_size))``.
+      implementation: as in :func:`maskconv_kernels.masked_conv`.
+      decode: Flax's decode convention (as ``MaskedConv(decode=True)``): ``init`` with a
+        full-size input ``(N, L, D)`` allocates the ``"cache"`` collection's ``conv_state``
+        (``(N, (kernel_size - 1) * dilation, D)``, zeros), then each ``apply(...,
+        mutable=["cache"])`` consumes one or several tokens ``(N, T, D)`` (or, with
+        ``state_indices``, ``(B, T, D)`` for ``B`` of the ``N`` slots) and returns their
+        outputs, through :func:`maskconv_kernels.short_conv.causal_conv1d_update`.
+    """
+
+    kernel_size: int
+    dilation: int = 1
+    use_bias: bool = True
+    activation: str | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    weight_init: Initializer = _short_conv.weight_init
+    bias_init: Initializer | None = None
+    implementation: str | None = None
+    decode: bool = False
+
+    @nn.compact
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, *, state_indices=None, has_initial_state=None
+    ) -> jax.Array:
+        """The convolution, or (decoding) the next tokens.
+
+        Args:
+          x: ``(N, L, D)``; when decoding, ``(N, T, D)`` (or ``(B, T, D)`` with ``state_indices``).
+          segment_ids: ``(N, L)`` packed documents (negative: padding), as in
+            :func:`causal_conv1d`; not when decoding.
+          state_indices, has_initial_state: decoding only, as in :func:`causal_conv1d_update`:
+            each row's slot of the state (``-1``: a row without a request), and where a
+            row starts a new sequence.
+
+        Returns:
+          ``(N, L, D)`` (decoding: shaped like ``x``) in ``dtype``, else x's dtype.
+        """
+        d = jnp.shape(x)[-1]
+        weight = self.param("weight", self.weight_init, (self.kernel_size, d), self.param_dtype)
+        bias = None
+        if self.use_bias:
+            bias_init = _short_conv.bias_init_for(self.kernel_size, self.bias_init)
+            bias = self.param("bias", bias_init, (d,), self.param_dtype)
+        if self.dtype is not None:
+            x = jnp.asarray(x, self.dtype)
+        decoding = self.decode and self.has_variable("cache", "conv_state")
+        if not decoding and (state_indices is not None or has_initial_state is not None):
+            raise ValueError(
+                "state_indices and has_initial_state are for decode steps (decode=True, after init allocated the "
+                "cache); a full forward pass starts every row from zeros"
+            )
+        if decoding:
+            if segment_ids is not None:
+                raise ValueError("segment_ids is for full sequences: a decode step continues one sequence per row")
+            state = self.variable("cache", "conv_state")
+            y, state.value = causal_conv1d_update(
+                x, state.value, weight, bias, activation=self.activation, dilation=self.dilation,
+                state_indices=state_indices, has_initial_state=has_initial_state, implementation=self.implementation,
+            )
+            return y
+        if self.decode:
+            shape = _short_conv.state_shape(jnp.shape(x), self.kernel_size, self.dilation, d)
+            self.variable("cache", "conv_state", jnp.zeros, shape, x.dtype)
+        return causal_conv1d(
+            x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
+            implementation=self.implementation,
+        )

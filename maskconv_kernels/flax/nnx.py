@@ -3,6 +3,9 @@
 The same constructor and the same ``nnx.Param`` state (``kernel``, ``bias``) as
 ``flax.nnx.Conv``, so ``nnx.state`` of one updates the other; the convolution is
 :func:`maskconv_kernels.masked_conv`, which never reads a masked tap.
+
+``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers, as the
+linen module of the same name.
 """
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
-from maskconv_kernels.flax import _conv, _decode
+from maskconv_kernels.flax import _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
+from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
 
-__all__ = ["MaskedConv"]
+__all__ = ["MaskedConv", "ShortConv"]
 
 
 class MaskedConv(nnx.Module):
@@ -203,4 +207,122 @@ class MaskedConv(nnx.Module):
             preferred_element_type=self.preferred_element_type,
             implementation=self.implementation,
             bias=bias,
+        )
+
+
+class ShortConv(nnx.Module):
+    """The short causal convolution of Mamba / Mamba-2 / gated DeltaNet layers, as a module.
+
+    :func:`maskconv_kernels.short_conv.causal_conv1d` with its parameters.
+
+    ``nnx.Param`` state ``weight`` ``(kernel_size, features)`` and ``bias``
+    ``(features,)``, initialised as PyTorch's ``Conv1d(features, features, kernel_size,
+    groups=features)`` (``uniform(±1/sqrt(kernel_size))`` for both; a PyTorch weight
+    ``(D, 1, W)`` loads as ``w[:, 0, :].T``)::
+
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> from maskconv_kernels.flax import nnx as mk_nnx
+        >>> layer = mk_nnx.ShortConv(8, 4, activation="silu", rngs=nnx.Rngs(0))
+        >>> layer.weight.shape, layer(jnp.ones((2, 16, 8))).shape
+        ((4, 8), (2, 16, 8))
+
+    Args:
+      features: the channels ``D``.
+      kernel_size: the width ``W``.
+      dilation, use_bias, activation, dtype, param_dtype, weight_init, bias_init,
+        implementation: as in the linen :class:`maskconv_kernels.flax.ShortConv`.
+      rngs: draws ``weight``, then ``bias``.
+      decode: Flax's decode convention (as ``MaskedConv(decode=True)``): :meth:`init_cache`
+        allocates ``conv_state`` (an ``nnx.Cache``), then each call consumes one or several
+        tokens ``(N, T, features)`` through
+        :func:`maskconv_kernels.short_conv.causal_conv1d_update`.
+    """
+
+    def __init__(
+        self,
+        features: int,
+        kernel_size: int,
+        *,
+        dilation: int = 1,
+        use_bias: bool = True,
+        activation: str | None = None,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        weight_init: Initializer = _short_conv.weight_init,
+        bias_init: Initializer | None = None,
+        implementation: str | None = None,
+        rngs: nnx.Rngs,
+        decode: bool = False,
+    ):
+        self.weight = nnx.Param(weight_init(rngs.params(), (kernel_size, features), param_dtype))
+        self.bias: nnx.Param | None
+        if use_bias:
+            init = _short_conv.bias_init_for(kernel_size, bias_init)
+            self.bias = nnx.Param(init(rngs.params(), (features,), param_dtype))
+        else:
+            self.bias = nnx.data(None)
+        self.features = features
+        self.kernel_size = kernel_size
+        self.dilation = dilation
+        self.use_bias = use_bias
+        self.activation = activation
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.implementation = implementation
+        self.decode = decode
+        self.conv_state: nnx.Cache | None = nnx.data(None)
+
+    def init_cache(self, input_shape: tp.Sequence[int], dtype: Dtype | None = None) -> None:
+        """Allocates ``conv_state``, zeros ``(N, (kernel_size - 1) * dilation, features)``, for inputs ``(N, L, D)``.
+
+        ``dtype``: the decoded inputs' (default the module's ``dtype``, else float32).
+        Call it before decoding, as ``nnx.MultiHeadAttention.init_cache``; calling it again
+        starts new sequences.
+        """
+        shape = _short_conv.state_shape(tuple(input_shape), self.kernel_size, self.dilation, self.features)
+        if dtype is None:
+            dtype = jnp.float32 if self.dtype is None else self.dtype
+        self.conv_state = nnx.Cache(jnp.zeros(shape, dtype))
+
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, *, decode: bool | None = None,
+        state_indices=None, has_initial_state=None,
+    ) -> jax.Array:
+        """The convolution, or (decoding) the next tokens.
+
+        Args:
+          x: ``(N, L, features)``; when decoding, ``(N, T, features)`` (or ``(B, T,
+            features)`` with ``state_indices``).
+          segment_ids: ``(N, L)`` packed documents, as in :func:`causal_conv1d`; not when decoding.
+          decode: overrides the module's ``decode`` for this call.
+          state_indices, has_initial_state: decoding only, as in :func:`causal_conv1d_update`.
+        """
+        if jnp.shape(x)[-1] != self.features:
+            raise ValueError(
+                f"x has {jnp.shape(x)[-1]} channels (shape {jnp.shape(x)}) but this ShortConv was built with "
+                f"features={self.features}: the last dim of x must be features"
+            )
+        weight = self.weight[...]
+        bias = self.bias[...] if self.bias is not None else None
+        if self.dtype is not None:
+            x = jnp.asarray(x, self.dtype)
+        if self.decode if decode is None else decode:
+            if self.conv_state is None:
+                raise ValueError("decode state not initialized: call init_cache(input_shape) first")
+            if segment_ids is not None:
+                raise ValueError("segment_ids is for full sequences: a decode step continues one sequence per row")
+            y, self.conv_state[...] = causal_conv1d_update(
+                x, self.conv_state[...], weight, bias, activation=self.activation, dilation=self.dilation,
+                state_indices=state_indices, has_initial_state=has_initial_state, implementation=self.implementation,
+            )
+            return y
+        if state_indices is not None or has_initial_state is not None:
+            raise ValueError(
+                "state_indices and has_initial_state are for decode steps (decode=True, after init_cache); a full "
+                "forward pass starts every row from zeros"
+            )
+        return causal_conv1d(
+            x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
+            implementation=self.implementation,
         )
