@@ -19,10 +19,14 @@ samples interleaved (``benchmarks.run.time_interleaved``):
 * ``shift-and-add``: a hand-written ``jnp`` sum over taps of shifted inputs times
   weights, in float32, which XLA fuses: the simplest exact formulation.
 
-All compute ``silu(conv(x) + bias)`` rounded once to x's dtype; the first cell's outputs
+In ``decode`` they are ``causal_conv1d_update`` over a pool of ``B`` slots (not donated
+here: each timed call reuses its inputs), a ``(B, W, D)`` window convolved by
+``lax.conv`` with ``VALID`` padding, and the window's weighted sum by hand; each returns
+the output and the new state. All compute ``silu(conv(x) + bias)`` rounded once to x's dtype; the first cell's outputs
 are compared with the shift-and-add's. Beside each time: the memory roofline, the bytes
 a fused kernel must move (``fwd``: read x, write y; ``bwd``: read x and dy, write dx; the
-weights once) over the memory bandwidth (HBM, 4.8 TB/s on an H200; on a CPU, a large
+weights once; ``decode``: read the state and the token, write the output and the
+state) over the memory bandwidth (HBM, 4.8 TB/s on an H200; on a CPU, a large
 array add measured in the same run). Writes ``OUT.jsonl`` (rows with the machine's
 metadata) as it goes, then ``OUT.md`` and ``OUT.png``; prints the table and the issue's
 targets last. ``--render OUT.jsonl`` prints an earlier (or interrupted) run's.
@@ -42,11 +46,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from maskconv_kernels.short_conv import causal_conv1d
+from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
 
 from .run import DTYPES, Preset, header, memory, metadata, quantile, time_interleaved
 
-MODES = ("fwd", "bwd", "fwd+bwd")
+MODES = ("fwd", "bwd", "fwd+bwd", "decode")
 OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
 H200_HBM_BYTES_PER_S = 4.8e12
 
@@ -102,6 +106,29 @@ def _shift_and_add(x, w, b):
     return jax.nn.silu(y + b.astype(jnp.float32)).astype(x.dtype)
 
 
+def _lax_conv_step(x, w, b, state):
+    """One token: ``x (B, D)``, ``state (B, W - 1, D)``; the window convolved with VALID padding."""
+    window = jnp.concatenate([state, x[:, None]], axis=1)
+    y = lax.conv_general_dilated(
+        window, w[:, None, :].astype(x.dtype), (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=x.shape[-1], preferred_element_type=jnp.float32,
+    )[:, 0]
+    return jax.nn.silu(y + b.astype(jnp.float32)).astype(x.dtype), window[:, 1:]
+
+
+def _shift_and_add_step(x, w, b, state):
+    window = jnp.concatenate([state, x[:, None]], axis=1)
+    y = sum(window[:, t].astype(jnp.float32) * w[t].astype(jnp.float32) for t in range(w.shape[0]))
+    return jax.nn.silu(y + b.astype(jnp.float32)).astype(x.dtype), window[:, 1:]
+
+
+def _ours_step(x, w, b, state):
+    return causal_conv1d_update(x, state, w, b, activation="silu")
+
+
+STEPS = {OURS: _ours_step, LAX: _lax_conv_step, SHIFT: _shift_and_add_step}
+
+
 def formulations(platform_name: str, preset_name: str) -> dict:
     """Name -> ``f(x, w, b)``. The fused kernels run compiled on GPUs and interpreted only in the quick
     preset (anywhere else they would take hours)."""
@@ -115,7 +142,10 @@ def formulations(platform_name: str, preset_name: str) -> dict:
 
 
 def mode_fn(conv, mode: str):
-    """``f(x, w, b, dy)`` for one mode; ``fwd`` ignores ``dy``; ``bwd`` gives dx, dw and db."""
+    """``f(x, w, b, dy)`` for one mode; ``fwd`` ignores ``dy``; ``bwd`` gives dx, dw and db. In
+    ``decode``, ``conv`` is a step ``(x, w, b, state) -> (y, state)`` and the fourth argument the state."""
+    if mode == "decode":
+        return conv
     if mode == "fwd":
         return lambda x, w, b, dy: conv(x, w, b)
     if mode == "bwd":
@@ -133,7 +163,9 @@ def ideal_bytes(shape: SeqShape, dtype, mode: str) -> int:
     act = shape.batch * shape.length * shape.dim * np.dtype(dtype).itemsize
     weights = (shape.width + 1) * shape.dim * 4
     fwd, bwd = 2 * act + weights, 3 * act + 2 * weights  # bwd: read x and dy, write dx; dw, db
-    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+    token = shape.batch * shape.dim * np.dtype(dtype).itemsize
+    decode = 2 * shape.width * token + weights  # read the state and the token, write both back
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd, "decode": decode}[mode]
 
 
 def measure_bandwidth(preset: Preset) -> float:
@@ -145,7 +177,10 @@ def measure_bandwidth(preset: Preset) -> float:
     return 3 * 4 * n / statistics.median(times["add"])
 
 
-def _inputs(shape: SeqShape, dtype, n_sets: int):
+def _inputs(shape: SeqShape, dtype, n_sets: int, mode: str = "fwd"):
+    """``(x, w, b, dy)``; in ``decode``, ``(x (B, D), w, b, state (B, W - 1, D))``."""
+    if mode == "decode":
+        return [(x[:, -1], w, b, x[:, : shape.width - 1]) for x, w, b, _ in _inputs(shape, dtype, n_sets)]
     sets = []
     for i in range(n_sets):
         kx, kw, kb, kd = jax.random.split(jax.random.PRNGKey(100 + i), 4)
@@ -167,7 +202,9 @@ def cells(shapes, preset: Preset):
 def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: dict, bandwidth: float,
              found: dict, compare: bool = False) -> list[dict]:
     dtype = DTYPES[dtype_name]
-    argsets = _inputs(shape, dtype, preset.max_input_sets)
+    argsets = _inputs(shape, dtype, preset.max_input_sets, mode)
+    if mode == "decode":
+        found = {name: step for name, step in STEPS.items() if name in found}
     base = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype_name, "weight_dtype": "float32",
             "mode": mode, "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth, **meta}
     rows, compiled = {}, {}

@@ -45,3 +45,15 @@ def test_a_cell_times_every_formulation_with_metadata(tmp_path):
     assert all(r["max_abs_diff_vs_shift"] < 1e-5 for r in rows)  # the first cell's outputs, compared
     assert f"| {ours['shape']} | float32 | causal_conv1d |" in sequence.targets(rows)
     assert (tmp_path / "q.md").read_text().startswith("Device:")
+
+
+def test_the_decode_steps_compute_the_same_step():
+    """One token for each row: the output and the new state, alike in the three formulations."""
+    preset, (shape,) = sequence.PRESETS["quick"]
+    (x, w, b, state), = sequence._inputs(shape, np.float32, 1, "decode")
+    assert x.shape == (shape.batch, shape.dim) and state.shape == (shape.batch, shape.width - 1, shape.dim)
+    outs = {name: jax.jit(step)(x, w, b, state) for name, step in sequence.STEPS.items()}
+    ref_y, ref_state = outs[sequence.SHIFT]
+    for name, (y, new_state) in outs.items():
+        assert_close(y, ref_y, np.float32, 2 * shape.width, float(np.abs(np.asarray(x)).max()) + 1)
+        np.testing.assert_array_equal(new_state, ref_state)
