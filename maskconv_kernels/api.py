@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from . import backends as _backends
 from . import core
@@ -40,27 +41,42 @@ def masked_conv(
     strides=1,
     padding="SAME",
     dilation=1,
+    lhs_dilation=1,
     feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    dimension_numbers=None,
     precision=None,
     preferred_element_type=None,
     implementation: str | None = None,
     interpret: bool = False,
     config=None,
 ) -> jax.Array:
-    """Exact masked convolution, channels-last: masked taps are never read.
+    """Exact masked convolution: masked taps are never read.
 
     Args:
-      x: ``(N, *spatial, C_in)`` with 1, 2 or 3 spatial dims; float32, bfloat16 or float16
-        (float64 with ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays,
-        nested lists) are converted as ``jnp.asarray`` would.
-      kernel: ``(*window, C_in // feature_group_count, C_out)``, same dtype as ``x``.
-      mask: static bools or 0/1 of shape ``window`` (one bit per tap) or the full kernel
-        shape (channel-partial taps). Must not be traced.
+      x: ``(N, *spatial, C_in)`` with 1, 2 or 3 spatial dims (or the order
+        ``dimension_numbers`` gives); float32, bfloat16 or float16 (float64 with
+        ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays, nested lists)
+        are converted as ``jnp.asarray`` would.
+      kernel: ``(*window, C_in // feature_group_count, C_out)`` (or the order
+        ``dimension_numbers`` gives), same dtype as ``x``.
+      mask: static bools or 0/1 of shape ``window`` (one bit per tap; the kernel's spatial
+        dims in the kernel's order) or the kernel's shape (channel-partial taps). Must not
+        be traced.
       strides: int or one int per spatial dim.
-      padding: ``"SAME"``, ``"VALID"``, ``"CAUSAL"`` (1-D only, as in flax: output t sees
-        inputs up to t) or one ``(lo, hi)`` pair per spatial dim.
-      dilation: kernel dilation, int or one int per spatial dim.
-      feature_group_count: as in ``lax.conv_general_dilated``.
+      padding: ``"SAME"``, ``"SAME_LOWER"``, ``"VALID"``, ``"CAUSAL"`` (1-D only, as in
+        flax: output t sees inputs up to t) or one ``(lo, hi)`` pair per spatial dim. Pairs
+        apply to the dilated input; strings need ``lhs_dilation=1``, as in lax.
+      dilation: kernel dilation (lax's ``rhs_dilation``), int or one int per spatial dim.
+      lhs_dilation: input dilation, int or one int per spatial dim: ``d - 1`` zeros
+        between input pixels, so a transposed convolution (computed on the dilated input,
+        the zeros included).
+      feature_group_count, batch_group_count: as in ``lax.conv_general_dilated`` (at most
+        one above 1); the output has ``N // batch_group_count`` examples.
+      dimension_numbers: ``None`` (channels-last, as above; lax's ``None`` is NCHW/OIHW),
+        a ``lax.ConvDimensionNumbers``, or three strings as lax takes them, e.g.
+        ``("NCHW", "OIHW", "NCHW")``. The backends compute channels-last; other layouts are
+        transposed in and out (:mod:`maskconv_kernels.layout`).
       precision: ``lax.Precision`` (or its name) for the products; ``"highest"`` gives
         IEEE float32 products on GPUs (no TF32).
       preferred_element_type: output dtype; defaults to ``x.dtype``. Accumulation is in
@@ -72,8 +88,9 @@ def masked_conv(
         ``triton.Configs``, ``xla.XlaConfig``), or ``None`` for its default.
 
     Returns:
-      ``(N, *out_spatial, C_out)``. For finite inputs it equals
-      ``lax.conv_general_dilated(x, kernel * mask, ...)`` up to rounding. Always: outputs do
+      ``(N // batch_group_count, *out_spatial, C_out)``, in the order ``dimension_numbers``
+      gives; zero-size where the window does not fit, as in lax. For finite inputs it
+      equals ``lax.conv_general_dilated(x, kernel * mask, ...)`` up to rounding. Always: outputs do
       not depend on inputs reachable only through masked taps, whose gradient is exactly
       0.0, and the gradient of masked kernel entries is exactly 0.0.
 
@@ -89,7 +106,8 @@ def masked_conv(
     spec = make_spec(
         x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
         feature_group_count=feature_group_count, precision=precision,
-        preferred_element_type=preferred_element_type,
+        preferred_element_type=preferred_element_type, lhs_dilation=lhs_dilation,
+        dimension_numbers=dimension_numbers, batch_group_count=batch_group_count,
     )
     backend = None
     if implementation is not None:
@@ -110,4 +128,11 @@ def masked_conv(
             )
     elif config is not None:
         raise ValueError("config= is the config of one backend: name it with implementation=")
-    return core.masked_conv(x, kernel, spec, backend=backend, interpret=interpret, config=config)
+    layout = spec.layout
+    x, kernel = layout.x(x), layout.kernel(kernel)
+    if 0 in spec.out_spatial:
+        # The window does not fit (VALID, say): lax's zero-size output, nothing read, and
+        # zero-size gradients, since the zeros do not depend on x or the kernel.
+        return layout.output(jnp.zeros((x.shape[0], *spec.out_spatial, spec.c_out), spec.out_dtype))
+    y = core.masked_conv(x, kernel, spec.channels_last(), backend=backend, interpret=interpret, config=config)
+    return layout.output(y)

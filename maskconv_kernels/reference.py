@@ -22,11 +22,13 @@ __all__ = ["masked_conv_reference", "masked_conv_reference_vjp", "leaky_masked_c
 def masked_conv_reference(x, kernel, mask, **conv_args) -> np.ndarray:
     """Float64 masked convolution in NumPy: ``sum over active entries of x * kernel``.
 
-    Takes the arguments of :func:`maskconv_kernels.masked_conv` except ``implementation``.
-    Masked entries are skipped (not multiplied by zero), so it is exact for non-finite
-    inputs too. Returns a float64 ``(N, *out_spatial, C_out)`` array.
+    Takes the arguments of :func:`maskconv_kernels.masked_conv` except ``implementation``
+    and the layout ones (``dimension_numbers``, ``lhs_dilation``, ``batch_group_count``):
+    it is the oracle of the channels-last problem the backends compute. Masked entries are
+    skipped (not multiplied by zero), so it is exact for non-finite inputs too. Returns a
+    float64 ``(N, *out_spatial, C_out)`` array.
     """
-    spec = make_spec(x, kernel, mask, **conv_args)
+    spec = _channels_last_spec(x, kernel, mask, conv_args)
     kernel = np.asarray(kernel, np.float64)
     xp = _padded(np.asarray(x, np.float64), spec)
     out = np.zeros((x.shape[0], *spec.out_spatial, spec.c_out))
@@ -41,7 +43,7 @@ def masked_conv_reference_vjp(x, kernel, mask, dy, **conv_args) -> tuple[np.ndar
     Masked kernel entries and inputs reachable only through masked taps get no
     contribution at all, so they are exactly 0.0.
     """
-    spec = make_spec(x, kernel, mask, **conv_args)
+    spec = _channels_last_spec(x, kernel, mask, conv_args)
     kernel = np.asarray(kernel, np.float64)
     dy = np.asarray(dy, np.float64)
     xp = _padded(np.asarray(x, np.float64), spec)
@@ -52,6 +54,16 @@ def masked_conv_reference_vjp(x, kernel, mask, dy, **conv_args) -> tuple[np.ndar
         dk[tap][active - gi * cig, co] += np.tensordot(dy[..., co], view[..., active], axes=dy.ndim - 1)
         dxp[(*_window_slices(tap, spec), active)] += dy[..., co, None] * kernel[tap][active - gi * cig, co]
     return _unpadded(dxp, spec, x.shape), dk
+
+
+def _channels_last_spec(x, kernel, mask, conv_args) -> ConvSpec:
+    spec = make_spec(x, kernel, mask, **conv_args)
+    if not spec.layout.is_channels_last:
+        raise ValueError(
+            "the float64 reference computes channels-last problems without input dilation or batch groups: for "
+            "dimension_numbers, lhs_dilation or batch_group_count, compare with lax.conv_general_dilated in float64"
+        )
+    return spec
 
 
 def _padded(x, spec):
