@@ -1,15 +1,16 @@
 """Flax modules: exact drop-in replacements for ``Conv(mask=...)``.
 
-* :class:`MaskedConv` replaces ``flax.linen.Conv``;
-* :class:`maskconv_kernels.flax.nnx.MaskedConv` replaces ``flax.nnx.Conv``.
+* :class:`maskconv_kernels.flax.linen.Conv` replaces ``flax.linen.Conv``;
+* :class:`maskconv_kernels.flax.nnx.Conv` replaces ``flax.nnx.Conv``.
 
-Both keep the parameter names, shapes and initialisers of the flax module, so a
-checkpoint of one loads into the other. Needs the ``flax`` extra
+Each is also importable as ``MaskedConv`` (the same class; ``maskconv_kernels.flax.MaskedConv``
+is the linen one). Both keep the class name, parameter names, shapes and initialisers of
+the flax module, so a checkpoint of one loads into the other. Needs the ``flax`` extra
 (``pip install "maskconv-kernels[flax]"``); the core package does not import flax.
 """
 # Absolute imports throughout: inside this package, the name ``flax`` must stay the
 # flax library, not ``maskconv_kernels.flax``.
-from maskconv_kernels.flax import nnx
-from maskconv_kernels.flax.linen import MaskedConv
+from maskconv_kernels.flax import linen, nnx
+from maskconv_kernels.flax.linen import Conv, MaskedConv
 
-__all__ = ["MaskedConv", "nnx"]
+__all__ = ["Conv", "MaskedConv", "linen", "nnx"]
