@@ -37,12 +37,13 @@ def _layout_case(lhs: str, rhs: str, out: str):
     return jnp.asarray(x), jnp.asarray(k), mask
 
 
+# The kernel's spec through all 24 orders (it orders the window, and the mask with it),
+# x's and the output's through every third (their axes only move); a few in the README's command.
 PERMUTED = [
     (which, "".join(p))
     for which, chars in (("lhs", "NCHW"), ("rhs", "OIHW"), ("out", "NCHW"))
-    for p in itertools.permutations(chars)
+    for i, p in enumerate(itertools.permutations(chars)) if which == "rhs" or i % 3 == 0
 ]
-# Each spec through all 24 orders in the slow tier, a few in the README's command.
 FAST_PERMUTED = {("lhs", "NHWC"), ("rhs", "HWIO"), ("rhs", "IWOH"), ("out", "CWNH")}
 
 
@@ -70,7 +71,7 @@ def test_full_mask_in_the_kernels_layout():
     """A channel-partial mask of the kernel's shape, OIHW: the R/G/B ordering, transposed by the caller's layout only."""
     rgb = mk.channel_grouped_mask((3, 3), 3, 6, "A")  # (H, W, I, O)
     x, k = random(5, (2, 3, 7, 8)), random(6, (6, 3, 3, 3), scale=0.3)
-    assert_matches_lax(x, k, np.transpose(rgb, (3, 2, 0, 1)), F32, dimension_numbers=("NCHW", "OIHW", "NCHW"))
+    assert_matches_lax(x, k, np.transpose(rgb, (3, 2, 0, 1)), F32, grads=False, dimension_numbers=("NCHW", "OIHW", "NCHW"))
 
 
 def test_batch_group_count_as_lax():
@@ -100,7 +101,8 @@ TRANSPOSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("x_shape, k_shape, strides, padding, rhs_dilation, dn", TRANSPOSE_CASES,
+@pytest.mark.parametrize("x_shape, k_shape, strides, padding, rhs_dilation, dn",
+                         [pytest.param(*c, marks=() if i in (0, 3) else pytest.mark.slow) for i, c in enumerate(TRANSPOSE_CASES)],
                          ids=[f"{len(c[0]) - 2}d_s{''.join(map(str, c[2]))}_{c[3] if isinstance(c[3], str) else 'pairs'}_{c[5][0]}"
                               for c in TRANSPOSE_CASES])
 def test_transposed_convolution_matches_lax_conv_transpose(x_shape, k_shape, strides, padding, rhs_dilation, dn):
