@@ -94,10 +94,15 @@ class NnxNet(nnx.Module):
         return self.out(self.wn(self.sn(x, update_stats=update_stats)))
 
 
+@nnx.jit
+def _call(model, x):
+    return model(x, update_stats=True)
+
+
 def _trained(ours: bool, seed: int, x):
     """A model after one call: weight norm's scales are made on the first call."""
     model = NnxNet(ours, nnx.Rngs(seed))
-    model(x, update_stats=True)
+    _call(model, x)
     return model
 
 
