@@ -59,6 +59,7 @@ def test_conv1d(getkey):
     assert jnp.allclose(_apply(conv, data), answer)
 
 
+@pytest.mark.slow
 def test_conv2d(getkey):
     conv = mk_eqx.Conv2d(1, 3, 3, key=getkey())
     assert _apply(conv, jrandom.normal(getkey(), (1, 32, 32))).shape == (3, 30, 30)
