@@ -91,7 +91,7 @@ CIRCULAR_2D = [dict(n_batch=b, n_features=f, kernel_lin_size=k, n_input_features
 _ids = lambda case: "_".join(f"{k}{v}" for k, v in case.items())
 
 
-@pytest.mark.parametrize("case", tiers("test_circular_conv_1d_constant", CIRCULAR_1D, _ids, fast=1, slow=6))
+@pytest.mark.parametrize("case", tiers("test_circular_conv_1d_constant", CIRCULAR_1D, _ids, fast=1, slow=3))
 def test_circular_conv_1d_constant(case):
     """Circular padding, all-ones filter and input: every output is ``n_input_features * kernel_size``."""
     x = jnp.ones((case["n_batch"], case["input_size"], case["n_input_features"]))
@@ -104,7 +104,7 @@ def test_circular_conv_1d_constant(case):
     np.testing.assert_allclose(y, expected)
 
 
-@pytest.mark.parametrize("case", tiers("test_circular_conv_2d_constant", CIRCULAR_2D, _ids, fast=1, slow=6))
+@pytest.mark.parametrize("case", tiers("test_circular_conv_2d_constant", CIRCULAR_2D, _ids, fast=1, slow=3))
 def test_circular_conv_2d_constant(case):
     x = jnp.ones((case["n_batch"], case["input_x_size"], case["input_y_size"], case["n_input_features"]))
     k = case["kernel_lin_size"]
