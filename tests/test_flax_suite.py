@@ -91,7 +91,7 @@ CIRCULAR_2D = [dict(n_batch=b, n_features=f, kernel_lin_size=k, n_input_features
 _ids = lambda case: "_".join(f"{k}{v}" for k, v in case.items())
 
 
-@pytest.mark.parametrize("case", tiers("test_circular_conv_1d_constant", CIRCULAR_1D, _ids, fast=1, slow=3))
+@pytest.mark.parametrize("case", tiers("test_circular_conv_1d_constant", CIRCULAR_1D, _ids, fast=1, slow=2))
 def test_circular_conv_1d_constant(case):
     """Circular padding, all-ones filter and input: every output is ``n_input_features * kernel_size``."""
     x = jnp.ones((case["n_batch"], case["input_size"], case["n_input_features"]))
@@ -104,7 +104,7 @@ def test_circular_conv_1d_constant(case):
     np.testing.assert_allclose(y, expected)
 
 
-@pytest.mark.parametrize("case", tiers("test_circular_conv_2d_constant", CIRCULAR_2D, _ids, fast=1, slow=3))
+@pytest.mark.parametrize("case", tiers("test_circular_conv_2d_constant", CIRCULAR_2D, _ids, fast=1, slow=2))
 def test_circular_conv_2d_constant(case):
     x = jnp.ones((case["n_batch"], case["input_x_size"], case["input_y_size"], case["n_input_features"]))
     k = case["kernel_lin_size"]
@@ -199,7 +199,7 @@ NNX_LINEN = [
 
 
 @pytest.mark.parametrize("case", tiers("test_nnx_linen_conv_equivalence", NNX_LINEN,
-                                       lambda c: "_".join(f"{k}{v}" for k, v in c.items()), fast=1, slow=4))
+                                       lambda c: "_".join(f"{k}{v}" for k, v in c.items()), fast=1, slow=2))
 def test_nnx_linen_conv_equivalence(case):
     """Our nnx module, given our linen module's parameters, gives the same outputs bit for bit;
     both agree with Flax's ``nn.Conv(mask=...)`` up to rounding. As in Flax's test, input
