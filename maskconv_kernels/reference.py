@@ -22,12 +22,13 @@ __all__ = ["masked_conv_reference", "masked_conv_reference_vjp", "leaky_masked_c
 def masked_conv_reference(x, kernel, mask, *, segment_ids=None, **conv_args) -> np.ndarray:
     """Float64 masked convolution in NumPy: ``sum over active entries of x * kernel``.
 
-    Takes the arguments of :func:`maskconv_kernels.masked_conv` except ``implementation``.
-    Masked entries are skipped (not multiplied by zero), and so are inputs of another
-    segment, so it is exact for non-finite inputs too. Returns a float64
-    ``(N, *out_spatial, C_out)`` array.
+    Takes the arguments of :func:`maskconv_kernels.masked_conv` except ``implementation``
+    and the layout ones (``dimension_numbers``, ``lhs_dilation``, ``batch_group_count``):
+    it is the oracle of the channels-last problem the backends compute. Masked entries are
+    skipped (not multiplied by zero), and so are inputs of another segment, so it is exact
+    for non-finite inputs too. Returns a float64 ``(N, *out_spatial, C_out)`` array.
     """
-    spec = make_spec(x, kernel, mask, segmented=segment_ids is not None, **conv_args)
+    spec = _channels_last_spec(x, kernel, mask, conv_args, segment_ids)
     kernel = np.asarray(kernel, np.float64)
     xp = _padded(np.asarray(x, np.float64), spec)
     out = np.zeros((x.shape[0], *spec.out_spatial, spec.c_out))
@@ -42,7 +43,7 @@ def masked_conv_reference_vjp(x, kernel, mask, dy, *, segment_ids=None, **conv_a
     Masked kernel entries and inputs reachable only through masked taps (or from other
     segments) get no contribution at all, so they are exactly 0.0.
     """
-    spec = make_spec(x, kernel, mask, segmented=segment_ids is not None, **conv_args)
+    spec = _channels_last_spec(x, kernel, mask, conv_args, segment_ids)
     kernel = np.asarray(kernel, np.float64)
     dy = np.asarray(dy, np.float64)
     xp = _padded(np.asarray(x, np.float64), spec)
@@ -54,6 +55,16 @@ def masked_conv_reference_vjp(x, kernel, mask, dy, *, segment_ids=None, **conv_a
         same = _same_segment(tap, spec, segment_ids)
         dxp[(*_window_slices(tap, spec), active)] += np.where(same, dy[..., co, None] * kernel[tap][active - gi * cig, co], 0.0)
     return _unpadded(dxp, spec, x.shape), dk
+
+
+def _channels_last_spec(x, kernel, mask, conv_args, segment_ids) -> ConvSpec:
+    spec = make_spec(x, kernel, mask, segmented=segment_ids is not None, **conv_args)
+    if not spec.layout.is_channels_last:
+        raise ValueError(
+            "the float64 reference computes channels-last problems without input dilation or batch groups: for "
+            "dimension_numbers, lhs_dilation or batch_group_count, compare with lax.conv_general_dilated in float64"
+        )
+    return spec
 
 
 def _same_segment(tap, spec, segment_ids):

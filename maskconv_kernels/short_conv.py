@@ -123,7 +123,7 @@ def causal_conv1d(
     bias = None if bias is None else as_operand("bias", bias)
     width, d, state_len = _check_operands(x, weight, bias, dilation)
     batch, length = x.shape[:2]
-    ids = None if segment_ids is None else as_segment_ids(segment_ids, x.shape)
+    ids = None if segment_ids is None else as_segment_ids(segment_ids, x.shape[:-1])
     xe, ide = x, ids
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)

@@ -96,7 +96,7 @@ def spatially_sharded_masked_conv(
         preferred_element_type=preferred_element_type, segmented=segment_ids is not None,
     )
     if segment_ids is not None:
-        segment_ids = as_segment_ids(segment_ids, x.shape)
+        segment_ids = as_segment_ids(segment_ids, x.shape[:-1])
     shards = _shards(mesh, axis_name)
     height, s, (lo, hi) = spec.in_spatial[0], spec.strides[0], spec.padding[0]
     if height % (shards * s):
@@ -224,7 +224,7 @@ def sequence_sharded_causal_conv1d(
     _, d, state_len = _check_operands(x, weight, bias, dilation)
     batch, length = x.shape[:2]
     if segment_ids is not None:
-        segment_ids = as_segment_ids(segment_ids, x.shape)
+        segment_ids = as_segment_ids(segment_ids, x.shape[:-1])
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)
         _check_state("initial_state", initial_state, batch, state_len, d, x.dtype)

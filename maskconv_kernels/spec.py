@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .layout import Layout
 from .masks import Mask, as_mask
 
 __all__ = ["ConvSpec", "make_spec", "as_operand", "as_segment_ids", "dimension_numbers", "FLOAT_DTYPES"]
@@ -32,8 +33,10 @@ def dimension_numbers(ndim: int):
 class ConvSpec:
     """Everything static about a masked convolution.
 
-    Shapes: ``x: (N, *spatial, C_in)``, ``kernel: (*window, C_in // groups, C_out)``,
-    ``out: (N, *out_spatial, C_out)``.
+    Shapes, of the problem the backends compute: ``x: (N, *spatial, C_in)``, ``kernel:
+    (*window, C_in // groups, C_out)``, ``out: (N, *out_spatial, C_out)``. ``layout`` maps
+    the caller's arrays onto it (dimension order, input dilation, batch groups): there,
+    ``spatial`` is the dilated input's and ``groups`` counts batch groups too.
     """
 
     mask: Mask
@@ -50,6 +53,7 @@ class ConvSpec:
     dtype: np.dtype  # the products': x's and the kernel's, the wider of the two when they differ
     x_dtype: np.dtype
     kernel_dtype: np.dtype
+    layout: Layout
     segmented: bool = False  # segment_ids given: a tap reads only inputs of the output's segment
 
     @property
@@ -67,14 +71,19 @@ class ConvSpec:
 
     @property
     def out_spatial(self) -> tuple[int, ...]:
+        """Empty (0) where the dilated window does not fit in the padded input, as in lax."""
         return tuple(
-            (n + lo + hi - d * (k - 1) - 1) // s + 1
+            max(0, (n + lo + hi - d * (k - 1) - 1) // s + 1)
             for n, (lo, hi), d, k, s in zip(self.in_spatial, self.padding, self.dilation, self.window, self.strides)
         )
 
     @property
     def dimension_numbers(self):
         return dimension_numbers(self.ndim)
+
+    def channels_last(self) -> "ConvSpec":
+        """The problem the backends compute, without the caller's layout: one per problem, whatever its layout."""
+        return dataclasses.replace(self, layout=Layout.channels_last(self.ndim))
 
     def flops(self, batch: int) -> int:
         """Multiply-adds over active entries only, times two."""
@@ -102,9 +111,20 @@ def _tuple(name: str, value, ndim: int) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
-def _padding(padding, in_spatial, window, strides, dilation) -> tuple[tuple[int, int], ...]:
+_PADDING_NAMES = "'SAME', 'SAME_LOWER', 'VALID', 'CAUSAL'"
+
+
+def _padding(padding, in_spatial, window, strides, dilation, lhs_dilation) -> tuple[tuple[int, int], ...]:
+    """``in_spatial``: the (dilated) input's; the pairs returned apply to it, as lax's do."""
     ndim = len(window)
     if isinstance(padding, str):
+        if any(d > 1 for d in lhs_dilation):
+            # lax.conv_general_dilated refuses this too: which output size is "SAME" for a
+            # transposed convolution is a convention (lax.conv_transpose picks one).
+            raise ValueError(
+                f"padding={padding!r} is a string, which is not defined with lhs_dilation={lhs_dilation} "
+                "(as in lax.conv_general_dilated): give one (lo, hi) pair per spatial dim, applied to the dilated input"
+            )
         mode = padding.upper()
         if mode == "CAUSAL":
             if ndim != 1:
@@ -113,11 +133,11 @@ def _padding(padding, in_spatial, window, strides, dilation) -> tuple[tuple[int,
                     f"{ndim} spatial dims: use a causal mask with padding='SAME' instead"
                 )
             return ((dilation[0] * (window[0] - 1), 0),)
-        if mode not in ("SAME", "VALID"):
-            raise ValueError(f"padding must be 'SAME', 'VALID', 'CAUSAL' or (lo, hi) pairs, got {padding!r}")
+        if mode not in ("SAME", "SAME_LOWER", "VALID"):
+            raise ValueError(f"padding must be {_PADDING_NAMES} or (lo, hi) pairs, got {padding!r}")
         effective = [d * (k - 1) + 1 for d, k in zip(dilation, window)]
-        return tuple(lax.padtype_to_pads(in_spatial, effective, strides, mode))
-    expected = "padding must be 'SAME', 'VALID', 'CAUSAL' or one (lo, hi) pair of ints per spatial dim"
+        return tuple((int(lo), int(hi)) for lo, hi in lax.padtype_to_pads(in_spatial, effective, strides, mode))
+    expected = f"padding must be {_PADDING_NAMES} or one (lo, hi) pair of ints per spatial dim"
     try:
         pairs = tuple((lo, hi) for lo, hi in padding)
     except (TypeError, ValueError):
@@ -127,6 +147,11 @@ def _padding(padding, in_spatial, window, strides, dilation) -> tuple[tuple[int,
     pairs = tuple((int(lo), int(hi)) for lo, hi in pairs)
     if len(pairs) != ndim:
         raise ValueError(f"padding needs one (lo, hi) pair per spatial dim ({ndim}), got {padding!r}")
+    if any(n + lo + hi < 0 for n, (lo, hi) in zip(in_spatial, pairs)):
+        raise ValueError(
+            f"padding {pairs} crops more than the input's spatial shape {in_spatial} holds (as lax, which "
+            "refuses it too): a negative pad may remove at most the whole dim"
+        )
     return pairs
 
 
@@ -149,8 +174,9 @@ def as_operand(name: str, value):
         ) from None
 
 
-def as_segment_ids(segment_ids, x_shape) -> jax.Array:
-    """``segment_ids`` checked: integers of shape ``x_shape[:-1]`` (``(N, *spatial)``); traced values welcome.
+def as_segment_ids(segment_ids, shape) -> jax.Array:
+    """``segment_ids`` checked: integers of ``shape``, x's without its channels (``(N, *spatial)``
+    channels-last); traced values welcome.
 
     Raises:
       TypeError: not an array of integers.
@@ -171,7 +197,7 @@ def as_segment_ids(segment_ids, x_shape) -> jax.Array:
         # Positions outside the input are padding, id -1 as every signed dtype spells it;
         # an unsigned id would wrap it to a real one.
         raise TypeError(f"segment_ids must be signed integers (negative ids mark padding), got {dtype}: use int32")
-    expected = tuple(x_shape[:-1])
+    expected = tuple(shape)
     if tuple(ids.shape) != expected:
         raise ValueError(
             f"segment_ids must have x's shape without its channels, (N, *spatial) = {expected}, got {tuple(ids.shape)}"
@@ -223,13 +249,18 @@ def make_spec(
     feature_group_count: int = 1,
     precision=None,
     preferred_element_type=None,
+    lhs_dilation=1,
+    dimension_numbers=None,
+    batch_group_count: int = 1,
     segmented: bool = False,
 ) -> ConvSpec:
     """Validates the arguments of :func:`maskconv_kernels.masked_conv` into a ``ConvSpec``.
 
     ``x`` and ``kernel`` may be anything with ``shape`` and ``dtype`` or array-likes
-    (:func:`as_operand`). ``segmented``: ``segment_ids`` are given (checked by
-    :func:`segment_ids`). Every error names the argument and what it accepts.
+    (:func:`as_operand`). ``segmented``: ``segment_ids`` are given (their values are
+    checked by :func:`as_segment_ids`). Every error names the argument and what it
+    accepts. The shapes checked after ``dimension_numbers`` are those of the
+    channels-last problem (:mod:`maskconv_kernels.layout`).
     """
     x, kernel = as_operand("x", x), as_operand("kernel", kernel)
     x_dtype, k_dtype = _float_dtype("x must have", x.dtype), _float_dtype("kernel must have", kernel.dtype)
@@ -243,11 +274,16 @@ def make_spec(
             f"kernel must be (*window, C_in // groups, C_out) with {ndim} window dims to match x of shape "
             f"{tuple(x.shape)}, got shape {tuple(kernel.shape)}"
         )
+    layout = _layout(x.shape, kernel.shape, dimension_numbers, lhs_dilation, batch_group_count, feature_group_count)
+    x = jax.ShapeDtypeStruct(layout.x_shape(x.shape), x_dtype)
+    kernel = jax.ShapeDtypeStruct(layout.kernel_shape(kernel.shape), k_dtype)
+    mask = layout.mask(mask)
     if any(k < 1 for k in kernel.shape[:-2]):
         raise ValueError(f"kernel window must be at least 1 in every spatial dim, got kernel shape {tuple(kernel.shape)}")
     groups = feature_group_count
     if not _is_int(groups) or groups < 1:
         raise ValueError(f"feature_group_count must be a positive int, got {groups!r}")
+    groups *= layout.batch_groups  # folded into feature groups (layout.py), validated by _layout
     c_in, c_out = int(x.shape[-1]), int(kernel.shape[-1])
     if c_in < 1 or c_out < 1:
         raise ValueError(
@@ -268,7 +304,7 @@ def make_spec(
     strides = _tuple("strides", strides, ndim)
     dilation = _tuple("dilation", dilation, ndim)
     in_spatial = tuple(int(n) for n in x.shape[1:-1])
-    pads = _padding(padding, in_spatial, window, strides, dilation)
+    pads = _padding(padding, in_spatial, window, strides, dilation, layout.lhs_dilation)
     out_dtype = x_dtype if preferred_element_type is None else _float_dtype("preferred_element_type must be", preferred_element_type)
     # Mixed inputs (bfloat16 activations, float32 weights) multiply in the wider dtype:
     # widening is exact, so every product is that of the values given.
@@ -276,17 +312,74 @@ def make_spec(
     acc_dtype = np.dtype(jnp.promote_types(jnp.float32, dtype))
     spec = ConvSpec(
         mask, in_spatial, c_in, c_out, strides, pads, dilation, int(groups), _precision(precision), out_dtype, acc_dtype,
-        dtype, x_dtype, k_dtype, bool(segmented),
+        dtype, x_dtype, k_dtype, layout, bool(segmented),
     )
-    if any(n < 1 for n in spec.out_spatial):
+    if segmented:
+        _check_segmented(spec)
+    return spec
+
+
+def _check_segmented(spec: ConvSpec) -> None:
+    """Segment ids name the input's positions; output ``p`` has the segment of input ``p``."""
+    layout = spec.layout
+    if layout.batch_groups > 1 or any(d > 1 for d in layout.lhs_dilation):
         raise ValueError(
-            f"the output would be empty: input spatial shape {in_spatial} with padding {pads} is smaller than "
-            f"the dilated window {tuple(d * (k - 1) + 1 for d, k in zip(dilation, window))}"
+            "segment_ids take an undilated input without batch groups (they name its positions), got "
+            f"lhs_dilation={layout.lhs_dilation} and batch_group_count={layout.batch_groups}"
         )
-    if segmented and (any(s != 1 for s in strides) or spec.out_spatial != in_spatial):
+    if any(s != 1 for s in spec.strides) or spec.out_spatial != spec.in_spatial:
         raise ValueError(
             "segment_ids need an output on the input's grid (output p has the segment of input p): strides 1 and "
             f"a padding that keeps the spatial shape ('SAME', 'CAUSAL' or pads summing to the dilated window - 1), "
-            f"got strides {strides} and padding {pads}, which give {spec.out_spatial} from {in_spatial}"
+            f"got strides {spec.strides} and padding {spec.padding}, which give {spec.out_spatial} from "
+            f"{spec.in_spatial}"
         )
-    return spec
+
+
+def _layout(x_shape, kernel_shape, value, lhs_dilation, batch_group_count, feature_group_count) -> Layout:
+    """Validates lax's layout arguments (:mod:`maskconv_kernels.layout`) for operands of these shapes."""
+    ndim = len(x_shape) - 2
+    lhs, rhs, out = _dimension_numbers(value, tuple(x_shape), tuple(kernel_shape))
+    lhs_dilation = _tuple("lhs_dilation", lhs_dilation, ndim)
+    g = batch_group_count
+    if not _is_int(g) or g < 1:
+        raise ValueError(f"batch_group_count must be a positive int, got {g!r}")
+    if g > 1:
+        n, c, i, o = x_shape[lhs[0]], x_shape[lhs[1]], kernel_shape[rhs[1]], kernel_shape[rhs[0]]
+        if feature_group_count != 1:
+            raise ValueError(
+                f"batch_group_count={g} and feature_group_count={feature_group_count}: at most one may be above 1, "
+                "as in lax.conv_general_dilated"
+            )
+        if n % g or o % g or i != c:
+            raise ValueError(
+                f"batch_group_count={g} must divide the batch N={n} and C_out={o}, and the kernel's input channels "
+                f"({i}) must be x's C_in={c} (as in lax.conv_general_dilated: {g} groups of N / {g} examples, each "
+                f"convolved with C_out / {g} of the kernel's output channels)"
+            )
+    return Layout(lhs, rhs, out, lhs_dilation, int(g))
+
+
+def _dimension_numbers(value, x_shape, kernel_shape) -> tuple[tuple[int, ...], ...]:
+    """``(lhs, rhs, out)`` axis orders, as lax's ``ConvDimensionNumbers`` holds them."""
+    rank = len(x_shape)
+    if value is None:
+        default = Layout.channels_last(rank - 2)
+        return default.lhs, default.rhs, default.out
+    spatial = dimension_numbers(rank - 2)[0][1:-1]
+    expected = (
+        f"dimension_numbers must be None (channels-last, {dimension_numbers(rank - 2)}), a lax.ConvDimensionNumbers, "
+        f"or three strings of length {rank} as lax.conv_general_dilated takes, e.g. "
+        f"{('NC' + spatial, 'OI' + spatial, 'NC' + spatial)}"
+    )
+    if isinstance(value, lax.ConvDimensionNumbers):
+        specs = tuple(tuple(int(a) for a in spec) for spec in value)
+        if any(sorted(spec) != list(range(rank)) for spec in specs):
+            raise ValueError(f"{expected}; a ConvDimensionNumbers must order all {rank} axes in each spec, got {value}")
+        return specs
+    if not (isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(s, str) for s in value)):
+        raise TypeError(f"{expected}, got {value!r}")
+    try:
+        return tuple(tuple(spec) for spec in lax.conv_dimension_numbers(x_shape, kernel_shape, tuple(value)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{expected}, got {value!r}: {e}") from None

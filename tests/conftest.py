@@ -125,6 +125,7 @@ class _Named:
 # output (half an ulp: 2^-9 for bfloat16, 2^-11 for float16), doubled for margin.
 # TF32 products (GPU default precision) would need 2^-10; CPU dots are IEEE.
 TOLERANCE = {
+    np.dtype("float64"): 2.0**-49,  # jax_enable_x64, xla backend: float64 throughout, the same few ulps (2^-52 each)
     np.dtype("float32"): 2.0**-20,
     np.dtype(jax.numpy.bfloat16): 2.0**-7,
     np.dtype("float16"): 2.0**-9,

@@ -1,6 +1,8 @@
 """The exactness contract, bit for bit: masked taps do not exist for outputs or gradients."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 
 import jax
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import random
 from cases import CASES
+from lax_oracle import dense_mask, lax_conv64, lax_dimension_numbers
 
 import maskconv_kernels as mk
 from maskconv_kernels.spec import make_spec
@@ -162,3 +165,105 @@ def test_deep_pixelcnn_stack_is_exactly_causal(conv):
     poisoned[0][future] = np.nan
     f = jax.jit(lambda x: net(x)[(0, *centre)])
     assert np.asarray(f(x)).tobytes() == np.asarray(f(jnp.asarray(poisoned))).tobytes()
+
+
+# --------------------------------------------------------------------- lax's layout arguments
+#
+# dimension_numbers, lhs_dilation (transposed convolution), "SAME_LOWER" and batch groups
+# go through a layout adapter around the backends' channels-last problem (issue 20). The
+# receptive field comes from lax here, not from the library: the input gradient of one
+# output of lax.conv(x, ones * mask) in float64 is a count of the active taps that reach
+# each input, positive exactly on the field.
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCase:
+    name: str
+    x_shape: tuple
+    kernel_shape: tuple  # in the kernel's own layout
+    mask: np.ndarray  # window-shaped (the kernel's spatial axes, in its order) or the kernel's shape
+    conv_args: dict
+
+
+def _oihw(mask):
+    """A full (H, W, I, O) mask in OIHW."""
+    return np.transpose(mask, (3, 2, 0, 1))
+
+
+NCHW = ("NCHW", "OIHW", "NCHW")
+LAYOUT_CASES = [
+    LayoutCase("nchw_oihw_k3A", (2, 3, 7, 6), (4, 3, 3, 3), mk.pixelcnn_mask((3, 3), "A"), dict(dimension_numbers=NCHW)),
+    LayoutCase("nhwc_oihw_nchw_rgbB_full", (1, 6, 7, 6), (6, 6, 3, 3), _oihw(mk.channel_grouped_mask((3, 3), 6, 6, "B")),
+               dict(dimension_numbers=("NHWC", "OIHW", "NCHW"))),
+    # Spatial dims listed in reverse: a window mask follows the kernel's axes (5 then 3).
+    LayoutCase("convdimnums_spatial_reversed_k5x3", (1, 6, 7, 2), (5, 3, 2, 3), np.tril(np.ones((5, 3), bool), -1),
+               dict(dimension_numbers=jax.lax.ConvDimensionNumbers((0, 3, 2, 1), (3, 2, 1, 0), (0, 3, 2, 1)))),
+    LayoutCase("lhs_dilation2_k3A", (1, 5, 4, 2), (3, 3, 2, 3), mk.pixelcnn_mask((3, 3), "A"),
+               dict(lhs_dilation=2, padding=((1, 2), (2, 1)))),
+    LayoutCase("transposed_1d_causal_s2", (2, 9, 3), (4, 3, 2), mk.causal_mask(4), dict(lhs_dilation=2, padding=((3, 3),))),
+    LayoutCase("same_lower_s2_k4", (1, 9, 8, 2), (4, 4, 2, 3), np.arange(16).reshape(4, 4) % 3 != 1,
+               dict(padding="SAME_LOWER", strides=2)),
+    LayoutCase("batch_groups2_nchw_k3B", (4, 2, 6, 5), (4, 2, 3, 3), mk.pixelcnn_mask((3, 3), "B"),
+               dict(dimension_numbers=NCHW, batch_group_count=2)),
+]
+
+
+@functools.cache
+def _field(case_name, out_index):
+    """Bool over x: the inputs output ``out_index`` reads through active taps (lax, float64)."""
+    case = next(c for c in LAYOUT_CASES if c.name == case_name)
+    y, vjp = lax_conv64(np.zeros(case.x_shape), np.ones(case.kernel_shape), case.mask, **case.conv_args)
+    dy = np.zeros(y.shape)
+    dy[out_index] = 1.0
+    return vjp(dy)[0] > 0
+
+
+def _centre(case, x_shape, k_shape, channel):
+    """The output index at the centre of the output's spatial dims, batch 0, output channel ``channel`` (may be -1)."""
+    dn = lax_dimension_numbers(x_shape, k_shape, case.conv_args.get("dimension_numbers"))
+    out_shape = jax.eval_shape(lambda x, k: mk.masked_conv(x, k, case.mask, **case.conv_args),
+                               jax.ShapeDtypeStruct(x_shape, np.float32), jax.ShapeDtypeStruct(k_shape, np.float32)).shape
+    index = [0] * len(out_shape)
+    index[dn.out_spec[1]] = channel % out_shape[dn.out_spec[1]]
+    for axis in dn.out_spec[2:]:
+        index[axis] = out_shape[axis] // 2
+    return tuple(index)
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.name)
+def test_layouts_gradient_is_exactly_zero_outside_active_receptive_field(conv, case):
+    x = random(21, case.x_shape, dtype=conv.dtype)
+    k = random(22, case.kernel_shape, dtype=conv.dtype)
+    out_index = _centre(case, x.shape, k.shape, channel=-1)
+    dx = np.asarray(jax.jit(jax.grad(lambda x: conv(x, k, case.mask, **case.conv_args)[out_index]))(x))
+    field = _field(case.name, out_index)
+    assert field.any() and (~field).any(), "the case must have inputs on both sides"
+    assert (dx[~field] == 0.0).all(), f"gradient leaked to {int((dx[~field] != 0).sum())} masked-only inputs"
+    assert (dx[field] != 0.0).all()
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.name)
+def test_layouts_nan_in_masked_inputs_leaves_output_bit_identical(conv, case):
+    x = random(23, case.x_shape, dtype=conv.dtype)
+    k = random(24, case.kernel_shape, dtype=conv.dtype)
+    out_index = _centre(case, x.shape, k.shape, channel=0)
+    poisoned = np.array(x)
+    poisoned[~_field(case.name, out_index)] = np.nan
+    f = jax.jit(lambda x: conv(x, k, case.mask, **case.conv_args)[out_index])
+    clean, dirty = np.asarray(f(x)), np.asarray(f(jnp.asarray(poisoned)))
+    assert np.isfinite(clean)
+    assert clean.tobytes() == dirty.tobytes(), f"output changed from {clean} to {dirty}"
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: c.name)
+def test_layouts_masked_kernel_entries_are_never_read(conv, case):
+    """In the kernel's own layout: their gradient is exactly 0.0 and NaN there changes no output."""
+    x = random(25, case.x_shape, dtype=conv.dtype)
+    k = np.array(random(26, case.kernel_shape, dtype=conv.dtype))
+    masked = ~dense_mask(case.mask, k.shape, lax_dimension_numbers(x.shape, k.shape, case.conv_args.get("dimension_numbers")))
+    f = jax.jit(lambda x, k: conv(x, k, case.mask, **case.conv_args))
+    clean = np.asarray(f(x, k))
+    dk = np.asarray(jax.jit(jax.grad(lambda k: f(x, k).astype(np.float32).sum()))(jnp.asarray(k)))
+    assert (dk[masked] == 0.0).all() and (dk[~masked] != 0.0).any()
+    k[masked] = np.nan
+    assert np.asarray(f(x, jnp.asarray(k))).tobytes() == clean.tobytes()

@@ -78,6 +78,8 @@ CASES = [
          dict(input_dilation=2, padding=((1, 2), (0, 1)))),
     Case("N3_T17_C2_F4_k4_gap_causalpad", (3, 17, 2), 4, (4,), np.array([1, 0, 1, 1], bool),
          dict(padding="CAUSAL")),
+    Case("N2_H8_W7_C2_F3_k4x2_same_lower_s2", (2, 8, 7, 2), 3, (4, 2), np.array([[1, 1], [1, 1], [1, 0], [0, 0]], bool),
+         dict(padding="SAME_LOWER", strides=2)),
     Case("nobatch_H8_W8_C2_F3_k3_A", (8, 8, 2), 3, (3, 3), mk.pixelcnn_mask((3, 3), "A")),
     Case("N2x3_H6_W6_C2_F3_k3_B_batchdims", (2, 3, 6, 6, 2), 3, (3, 3), mk.pixelcnn_mask((3, 3))),
     Case("N2_D4_H5_W5_C2_F3_k3_3d_A", (2, 4, 5, 5, 2), 3, (3, 3, 3), mk.pixelcnn_mask((3, 3, 3), "A")),
@@ -238,6 +240,20 @@ def test_mask_shape_errors_name_the_shapes():
         layer(jnp.ones((1, 6, 6, 2)), out_sharding=jax.sharding.PartitionSpec())
     with pytest.raises(ValueError, match=r"inputs have 3 channels .* in_features=2"):
         layer(jnp.ones((1, 6, 6, 3)))
+
+
+def test_empty_output_as_flax_gives_it():
+    """A VALID window wider than the input: nn.Conv's zero-size output, and zero-size gradients, on both modules."""
+    x, mask = jnp.ones((1, 2, 1)), np.array([1, 0, 1], bool)
+    layer = MaskedConv(4, (3,), padding="VALID", mask=mask)
+    params = layer.init(jax.random.key(0), x)
+    expected = nn.Conv(4, (3,), padding="VALID").apply(params, x)
+    grads = jax.grad(lambda p, x: layer.apply(p, x).sum(), (0, 1))(params, x)
+    assert layer.apply(params, x).shape == expected.shape == (1, 0, 4)
+    assert grads[1].shape == x.shape and not np.asarray(grads[0]["params"]["kernel"]).any()
+    module = mk_nnx.MaskedConv(1, 4, (3,), padding="VALID", mask=mask, rngs=nnx.Rngs(0))
+    assert module(x).shape == (1, 0, 4)
+    assert nnx.grad(lambda m: m(x).sum())(module)["kernel"][...].shape == (3, 1, 4)
 
 
 # --------------------------------------------------------------------- the gated PixelCNN

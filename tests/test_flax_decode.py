@@ -49,8 +49,8 @@ def test_linen_decode_equals_the_full_forward_at_every_position():
     variables = TwoLayers(decode=True).init(jax.random.key(0), x)
     cache = variables["cache"]
     shapes = jax.tree_util.tree_map(jnp.shape, cache)
-    assert shapes["MaskedConv_0"]["cached_input"] == (N, 4, W, 2)  # 3 rows above + the current row
-    assert shapes["MaskedConv_1"]["cached_input"] == (N, 2, W, C)
+    assert shapes["Conv_0"]["cached_input"] == (N, 4, W, 2)  # 3 rows above + the current row
+    assert shapes["Conv_1"]["cached_input"] == (N, 2, W, C)
 
     def body(cache, pixel):
         y, mutated = TwoLayers(decode=True).apply(
@@ -59,7 +59,7 @@ def test_linen_decode_equals_the_full_forward_at_every_position():
         return mutated["cache"], y[:, 0, 0]
 
     cache, ys = jax.lax.scan(body, cache, jnp.moveaxis(_previous_pixels(x), 1, 0))
-    assert int(cache["MaskedConv_1"]["cache_index"]) == H * W
+    assert int(cache["Conv_1"]["cache_index"]) == H * W
     got = jnp.moveaxis(ys, 0, 1).reshape(expected.shape)
     assert_close(got, expected, np.float32, 6 * 3 * 3 * C, float(np.abs(expected).max()))
 

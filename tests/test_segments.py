@@ -194,3 +194,22 @@ def test_small_unsigned_ids_are_ids():
         mk.masked_conv(x, k, mask, segment_ids=ids.astype(np.uint8), **kw),
         mk.masked_conv(x, k, mask, segment_ids=ids.astype(np.int32), **kw),
     )
+
+
+def test_segment_ids_follow_x_layout_without_its_channels():
+    """With dimension_numbers, the ids have x's axes less the channel one (NCHW: (N, H, W))."""
+    x, k, mask, ids, kw = _case("2d_k5A", seed=12)
+    expected = mk.masked_conv(x, k, mask, segment_ids=ids, **kw)
+    nchw = mk.masked_conv(
+        jnp.transpose(x, (0, 3, 1, 2)), jnp.transpose(k, (3, 2, 0, 1)), mask, segment_ids=ids,
+        dimension_numbers=("NCHW", "OIHW", "NCHW"), **kw,
+    )
+    np.testing.assert_array_equal(jnp.transpose(nchw, (0, 2, 3, 1)), expected)
+    hwnc = mk.masked_conv(
+        jnp.transpose(x, (1, 2, 0, 3)), k, mask, segment_ids=np.transpose(ids, (1, 2, 0)),
+        dimension_numbers=("HWNC", "HWIO", "NHWC"), **kw,
+    )
+    np.testing.assert_array_equal(hwnc, expected)
+    with pytest.raises(ValueError, match=r"segment_ids take an undilated input"):
+        mk.masked_conv(x, k, mask, segment_ids=np.zeros((2, 13, 17), np.int32), lhs_dilation=2,
+                       padding=((2, 2), (2, 2)))

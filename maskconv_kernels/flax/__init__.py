@@ -1,18 +1,19 @@
 """Flax modules: exact drop-in replacements for ``Conv(mask=...)``.
 
-* :class:`MaskedConv` replaces ``flax.linen.Conv``;
-* :class:`maskconv_kernels.flax.nnx.MaskedConv` replaces ``flax.nnx.Conv``;
+* :class:`maskconv_kernels.flax.linen.Conv` replaces ``flax.linen.Conv``;
+* :class:`maskconv_kernels.flax.nnx.Conv` replaces ``flax.nnx.Conv``;
 * :class:`ShortConv` and :class:`maskconv_kernels.flax.nnx.ShortConv`: the short causal
   convolution of Mamba / gated DeltaNet layers (``weight``, ``bias``, ``activation``),
   with ``decode=True`` for serving.
 
-The ``MaskedConv`` modules keep the parameter names, shapes and initialisers of the flax
-module, so a checkpoint of one loads into the other. Needs the ``flax`` extra
+Each ``Conv`` is also importable as ``MaskedConv`` (the same class; ``maskconv_kernels.flax.MaskedConv``
+is the linen one). Both keep the class name, parameter names, shapes and initialisers of
+the flax module, so a checkpoint of one loads into the other. Needs the ``flax`` extra
 (``pip install "maskconv-kernels[flax]"``); the core package does not import flax.
 """
 # Absolute imports throughout: inside this package, the name ``flax`` must stay the
 # flax library, not ``maskconv_kernels.flax``.
-from maskconv_kernels.flax import nnx
-from maskconv_kernels.flax.linen import MaskedConv, ShortConv
+from maskconv_kernels.flax import linen, nnx
+from maskconv_kernels.flax.linen import Conv, MaskedConv, ShortConv
 
-__all__ = ["MaskedConv", "ShortConv", "nnx"]
+__all__ = ["Conv", "MaskedConv", "ShortConv", "linen", "nnx"]

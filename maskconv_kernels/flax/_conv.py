@@ -1,11 +1,11 @@
 """What ``flax.linen.Conv`` and ``flax.nnx.Conv`` do around the convolution, shared by both modules.
 
-Batch dims, padding modes and input dilation are handled exactly as flax 0.12 handles
-them (``flax/linen/linear.py``, ``_Conv.__call__``), so that a module here is ``nn.Conv``
+Batch dims and padding modes are handled exactly as flax 0.12 handles them
+(``flax/linen/linear.py``, ``_Conv.__call__``), so that a module here is ``nn.Conv``
 with ``lax.conv_general_dilated(x, kernel * mask)`` replaced by
-:func:`maskconv_kernels.masked_conv`. Everything done to the input before the
-convolution (wrap or reflect padding, zero insertion) is a copy of real values or a
-real zero, so masked taps are still never read.
+:func:`maskconv_kernels.masked_conv`, which takes the input dilation as lax does.
+Everything done to the input before the convolution (wrap or reflect padding) is a copy
+of real values, so masked taps are still never read.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
-from jax import lax
 
 from maskconv_kernels.api import masked_conv
 from maskconv_kernels.masks import Mask, as_mask
@@ -36,6 +35,14 @@ def static_mask(mask, kernel_size, features: int) -> Mask | None:
     """
     if mask is None:
         return None
+    if isinstance(mask, jax.core.Tracer):
+        raise TypeError(
+            "mask is a traced value (built with jax.numpy inside a jitted init, nnx.eval_shape or another "
+            "transform?): which taps are read is fixed when the module is built, so the mask must be concrete. "
+            "Build it with NumPy (np.tril, np.broadcast_to, ...) or under jax.ensure_compile_time_eval(). "
+            "(flax's Conv multiplies the kernel by its mask, so it takes a traced one; this module never reads a "
+            "masked tap.)"
+        )
     window = kernel_size_tuple(kernel_size)
     shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
     if shape == window:
@@ -103,17 +110,12 @@ def conv(
         inputs = jnp.pad(inputs, extra, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[pads])
         pads = "VALID"
 
-    if any(d != 1 for d in input_dilation):
-        if isinstance(pads, str):
-            # lax.conv_general_dilated (hence nn.Conv) refuses this too.
-            raise ValueError(
-                f"padding={padding!r} is a string, which is not defined with input_dilation={input_dilation}: "
-                "give the padding as (lo, hi) pairs, one per spatial dim (they apply to the dilated input)"
-            )
-        # lhs_dilation inserts d - 1 zeros between neighbours; inserting them explicitly
-        # gives the same products, and the padding then applies to the dilated input as in lax.
-        zero = jnp.zeros((), inputs.dtype)
-        inputs = lax.pad(inputs, zero, [(0, 0, 0), *((0, 0, d - 1) for d in input_dilation), (0, 0, 0)])
+    if any(d != 1 for d in input_dilation) and isinstance(pads, str):
+        # lax.conv_general_dilated (hence nn.Conv) refuses this too.
+        raise ValueError(
+            f"padding={padding!r} is a string, which is not defined with input_dilation={input_dilation}: "
+            "give the padding as (lo, hi) pairs, one per spatial dim (they apply to the dilated input)"
+        )
 
     y = masked_conv(
         inputs,
@@ -122,6 +124,7 @@ def conv(
         strides=strides,
         padding=pads,
         dilation=kernel_dilation,
+        lhs_dilation=input_dilation,
         feature_group_count=feature_group_count,
         precision=precision,
         preferred_element_type=preferred_element_type,

@@ -1,12 +1,15 @@
-"""``MaskedConv``: ``flax.linen.Conv(mask=...)`` with the mask made exact.
+"""``Conv`` (also ``MaskedConv``): ``flax.linen.Conv(mask=...)`` with the mask made exact.
 
 Same fields, same parameters (``kernel`` of shape ``(*kernel_size, C_in // groups,
-features)`` and ``bias`` of shape ``(features,)``, same initialisers), so checkpoints load
-into either module. The difference: ``nn.Conv`` computes ``conv(x, kernel * mask)``, which
-reads every tap and multiplies the masked ones by zero, so a NaN or Inf under a masked tap
-reaches the output (``0 * NaN = NaN``), and on GPUs a Winograd or FFT convolution mixes
-neighbouring windows. ``MaskedConv`` calls :func:`maskconv_kernels.masked_conv`, which
-never reads a masked tap.
+features)`` and ``bias`` of shape ``(features,)``, same initialisers), and the same class
+name: in a compact parent, linen names a submodule after its class (``Conv_0``,
+``Conv_1``, ...), so a model whose ``nn.Conv`` is swapped for this one keeps its variable
+paths, and its checkpoints load unchanged. ``MaskedConv`` is the same class under a name
+that says what it is. The difference: ``nn.Conv`` computes ``conv(x, kernel * mask)``,
+which reads every tap and multiplies the masked ones by zero, so a NaN or Inf under a
+masked tap reaches the output (``0 * NaN = NaN``), and on GPUs a Winograd or FFT
+convolution mixes neighbouring windows. This module calls
+:func:`maskconv_kernels.masked_conv`, which never reads a masked tap.
 
 ``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers
 (:func:`maskconv_kernels.short_conv.causal_conv1d`), with ``decode=True`` for serving.
@@ -25,13 +28,13 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 from maskconv_kernels.flax import _conv, _decode, _short_conv
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
 
-__all__ = ["MaskedConv", "ShortConv"]
+__all__ = ["Conv", "MaskedConv", "ShortConv"]
 
 
-class MaskedConv(nn.Module):
+class Conv(nn.Module):
     """Exact masked convolution, a drop-in replacement for ``flax.linen.Conv(mask=...)``.
 
-    Swap one line and keep the checkpoint::
+    ``MaskedConv`` is this class. Swap one line and keep the checkpoint::
 
         >>> import flax.linen as nn
         >>> import jax, jax.numpy as jnp, numpy as np
@@ -180,6 +183,10 @@ class MaskedConv(nn.Module):
             precision=self.precision,
         )
         return y
+
+
+# The same class: linen names auto-named submodules after the class (Conv_0), as nn.Conv's.
+MaskedConv = Conv
 
 
 class ShortConv(nn.Module):

@@ -1,8 +1,9 @@
-"""``MaskedConv``: ``flax.nnx.Conv(mask=...)`` with the mask made exact.
+"""``Conv`` (also ``MaskedConv``): ``flax.nnx.Conv(mask=...)`` with the mask made exact.
 
-The same constructor and the same ``nnx.Param`` state (``kernel``, ``bias``) as
-``flax.nnx.Conv``, so ``nnx.state`` of one updates the other; the convolution is
-:func:`maskconv_kernels.masked_conv`, which never reads a masked tap.
+The same constructor and the same state as ``flax.nnx.Conv`` (``kernel``, ``bias``, and
+the ``mask`` array as it was given), so ``nnx.state`` of one, or a checkpoint of it,
+loads into the other; the convolution is :func:`maskconv_kernels.masked_conv`, which
+never reads a masked tap. ``MaskedConv`` is the same class.
 
 ``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers, as the
 linen module of the same name.
@@ -23,13 +24,13 @@ from maskconv_kernels.flax import _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
 
-__all__ = ["MaskedConv", "ShortConv"]
+__all__ = ["Conv", "MaskedConv", "ShortConv"]
 
 
-class MaskedConv(nnx.Module):
+class Conv(nnx.Module):
     """Exact masked convolution, a drop-in replacement for ``flax.nnx.Conv(mask=...)``.
 
-    Example::
+    ``MaskedConv`` is this class. Example::
 
         >>> from flax import nnx
         >>> import jax.numpy as jnp
@@ -52,8 +53,10 @@ class MaskedConv(nnx.Module):
         ``flax.nnx.Conv``.
       mask: static 0/1 or bools, of shape ``kernel_size`` (one bit per tap) or the full
         kernel shape ``(*kernel_size, in_features // feature_group_count, out_features)``;
-        stored as a hashable :class:`maskconv_kernels.Mask` (static, not state).
-        ``None`` makes every tap active.
+        ``None`` makes every tap active. Which taps are read is fixed here: the convolution
+        reads ``static_mask``, a hashable :class:`maskconv_kernels.Mask`. The ``mask``
+        attribute keeps the argument as ``nnx.Conv`` keeps it (an array there is state), so
+        the two modules' states, and checkpoints, have the same tree.
       implementation: ``None`` (best backend for the platform) or one of
         :data:`maskconv_kernels.IMPLEMENTATIONS`.
       decode: autoregressive decoding, as ``nnx.MultiHeadAttention(decode=True)``:
@@ -117,8 +120,9 @@ class MaskedConv(nnx.Module):
         self.feature_group_count = feature_group_count
         self.use_bias = use_bias
         # Static (not state), hashable, and checked against the kernel now: in_features is known.
-        mask = _conv.static_mask(mask, kernel_size, out_features)
-        self.mask = None if mask is None else as_mask(mask, kernel_shape)
+        static = _conv.static_mask(mask, kernel_size, out_features)
+        self.static_mask = None if static is None else as_mask(static, kernel_shape)
+        self.mask = mask  # as nnx.Conv keeps it: its state holds a mask array, so ours does too
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -144,7 +148,7 @@ class MaskedConv(nnx.Module):
         Call it before decoding, as ``nnx.MultiHeadAttention.init_cache``; calling it again
         starts a new sequence.
         """
-        spec = _decode.init_spec(self.mask, self.kernel_shape, tuple(input_shape[1:-1]), **self._decode_fields())
+        spec = _decode.init_spec(self.static_mask, self.kernel_shape, tuple(input_shape[1:-1]), **self._decode_fields())
         self.cached_input = nnx.Cache(jnp.zeros(_decode.cache_shape(tuple(input_shape), spec), dtype))
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
 
@@ -158,7 +162,7 @@ class MaskedConv(nnx.Module):
         cached = self.cached_input[...]
         unit = _decode.unit_of(inputs.shape, cached.shape)
         spatial = (None, cached.shape[2]) if cached.ndim == 4 else (None,)
-        spec = _decode.decode_spec(self.mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
+        spec = _decode.decode_spec(self.static_mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
         y, cached, index = _decode.step(
             inputs, kernel, bias, cached, self.cache_index[...], spec,
             precision=self.precision,
@@ -181,12 +185,12 @@ class MaskedConv(nnx.Module):
         """
         if out_sharding is not None:
             raise NotImplementedError(
-                "out_sharding is not supported by MaskedConv yet: call it without out_sharding and "
+                "out_sharding is not supported by maskconv_kernels.flax.nnx.Conv yet: call it without out_sharding and "
                 "constrain the result with jax.sharding.reshard"
             )
         if jnp.shape(inputs)[-1] != self.in_features:
             raise ValueError(
-                f"inputs have {jnp.shape(inputs)[-1]} channels (shape {jnp.shape(inputs)}) but this MaskedConv was "
+                f"inputs have {jnp.shape(inputs)[-1]} channels (shape {jnp.shape(inputs)}) but this Conv was "
                 f"built with in_features={self.in_features}: the last dim of inputs must be in_features"
             )
         kernel = self.kernel[...]
@@ -197,7 +201,7 @@ class MaskedConv(nnx.Module):
         return _conv.conv(
             inputs,
             kernel,
-            self.mask,
+            self.static_mask,
             strides=self.strides,
             padding=self.padding,
             input_dilation=self.input_dilation,
@@ -208,6 +212,10 @@ class MaskedConv(nnx.Module):
             implementation=self.implementation,
             bias=bias,
         )
+
+
+# The same class, as in maskconv_kernels.flax.linen.
+MaskedConv = Conv
 
 
 class ShortConv(nnx.Module):
