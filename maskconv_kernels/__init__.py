@@ -10,11 +10,14 @@ from .masks import (
     vertical_stack_mask,
 )
 from .reference import leaky_masked_conv, masked_conv_reference
+from .short_conv import causal_conv1d, causal_conv1d_update
 
 __version__ = "0.1.0"
 
 __all__ = [
     "masked_conv",
+    "causal_conv1d",
+    "causal_conv1d_update",
     "IMPLEMENTATIONS",
     "Mask",
     "pixelcnn_mask",
