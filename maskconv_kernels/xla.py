@@ -88,18 +88,20 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
 def cpu_strategy(spec: ConvSpec, kind: str) -> str:
     """What ``"auto"`` runs for map ``kind`` lowered for CPU.
 
-    Measured with ``benchmarks/roofline.py`` on a 2-core AMD EPYC VM (jax 0.10.2 and
-    0.12; ``benchmarks/results/roofline_cpu_*``), each map against a GEMM of its FLOPs
-    timed in the same process, at 7x7 type A, 5x5 and 3x3 type B and a WaveNet layer:
+    Measured with ``benchmarks/roofline.py`` on a 2-core AMD EPYC VM shared with other
+    jobs (load average 3-5; jax 0.10.2 and 0.12, float32; ``benchmarks/results/
+    roofline_cpu_jax*.md``), each map's time against a GEMM of its FLOPs timed in the
+    same rounds, at 7x7 type A, 5x5 and 3x3 type B (N=16, 32x32) and a WaveNet layer.
+    Figures are that ratio (1.0: the GEMM's rate) and temporaries / size of ``x``:
 
-    * weight gradient: ``"gemm"`` at 0.6-1.0 of the GEMM rate, where XLA's transpose of
-      the per-box convolutions (``"conv"``) ran at 0.3 at 3x3 type B and held 2-5 times
-      ``x`` in temporaries;
-    * forward and input gradient: ``"conv_blocks"``, XLA's convolution packing its own
-      patches, ran 5-40% faster than ``"gemm"``'s im2col copy, and as fast as ``"conv"``
-      while holding one block (``"conv"`` summed two or three ``x``-sized outputs);
-    * a mask that is one box (an unmasked WaveNet layer): one convolution with nothing to
-      sum, ``"conv"``, at lax's own rate (blocks of it ran 10-25% slower).
+    * weight gradient: ``"gemm"``, 0.46-0.75 and 0.2-0.8. XLA's transpose of the per-box
+      convolutions (``"conv"``) ran at 0.33-0.36 at 3x3 type B and 0.48 at WaveNet, and
+      at 0.76-0.82 at C=64, always holding 2-5 times ``x``.
+    * forward and input gradient: ``"conv_blocks"``, 0.62-0.84 and 0.3. ``"conv"`` ran at
+      0.73-0.94 holding one to three times ``x`` (one output per box, summed); ``"gemm"``
+      at 0.51-0.89 (its im2col is copied twice: XLA:CPU copies each slice, then the stack).
+    * a mask that is one box (an unmasked WaveNet layer): ``"conv"``, one convolution
+      with nothing to sum, 0.95-1.19 and no temporaries (``"conv_blocks"`` 0.86-1.00).
     """
     if kind == "weight_grad":
         return "gemm"
