@@ -29,7 +29,7 @@ import numpy as np
 
 import maskconv_kernels as mk
 
-__all__ = ["BenchShape", "SHAPES", "BAR_SHAPES", "by_name"]
+__all__ = ["BenchShape", "SHAPES", "BAR_SHAPES", "ROOFLINE_SHAPES", "by_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,18 @@ SHAPES: tuple[BenchShape, ...] = (
 )
 
 BAR_SHAPES = tuple(s for s in SHAPES if s.bar)
+
+# The CPU roofline's shapes (benchmarks/roofline.py, issue 21), at the batch it times them:
+# the PixelCNN layers of the leak report's timing table and one WaveNet layer.
+ROOFLINE_SHAPES: tuple[BenchShape, ...] = (
+    _pixelcnn("pixelcnn_7x7A_C64_32x32", 32, 64, 64, (7, 7), "A", batch=16, small_batch=1),
+    _pixelcnn("pixelcnn_5x5B_C64_32x32", 32, 64, 64, (5, 5), "B", batch=16, small_batch=1),
+    _pixelcnn("pixelcnn_3x3B_C128_32x32_N16", 32, 128, 128, (3, 3), "B", batch=16, small_batch=1),
+    BenchShape(
+        "wavenet_k2_d4_C128_L2048", "wavenet", (2048,), 128, 128, np.ones(2, bool),
+        batch=16, small_batch=1, conv_args={"padding": "CAUSAL", "dilation": 4},
+    ),
+)
 
 
 def by_name(name: str) -> BenchShape:

@@ -1,21 +1,34 @@
 """The exact pure-JAX backend: a masked convolution as a sum over dense active pieces.
 
 The mask is split once into :class:`~maskconv_kernels.masks.Term` s, each a box of
-taps that is active for a set of (input, output) channels. Each term is computed by
-one of two strategies, chosen per platform when the function is lowered:
+taps that is active for a set of (input, output) channels. Each of the three linear
+maps (forward, input gradient, weight gradient) is computed by one of four strategies,
+chosen per map and per platform when the function is lowered (:class:`XlaConfig`):
 
-* ``"conv"``: ``lax.conv_general_dilated`` over the term's sub-kernel, with the padding
-  shifted to the box's offset (boxes of one or two taps use the im2col GEMM below). XLA's CPU convolution is a direct convolution, so an
-  output reads only the inputs under its box; the NaN-isolation tests prove it there.
-* ``"matmul"``: an im2col of the box's taps (strided slices of the padded input)
+* ``"gemm"`` and ``"conv_blocks"`` (:mod:`maskconv_kernels.xla_blocks`): each map
+  written out over blocks of pixels, so that a block stays in cache and the extra
+  memory is one block's; ``"gemm"`` as GEMMs over an im2col of every active tap (all
+  boxes in one GEMM), ``"conv_blocks"`` as one convolution per box (its weight gradient
+  is ``"gemm"``'s). What CPUs run. Ungrouped problems, and stride 1 for the input
+  gradient; elsewhere the platform's other strategy.
+* ``"conv"``: ``lax.conv_general_dilated`` over each term's sub-kernel, with the padding
+  shifted to the box's offset (boxes of one or two taps use the im2col GEMM below).
+  XLA's CPU convolution is a direct convolution, so an output reads only the inputs
+  under its box; the NaN-isolation tests prove it there.
+* ``"matmul"``: an im2col of each box's taps (strided slices of the padded input)
   contracted with ``dot_general``. Only multiplies and adds of active taps, so it is
   exact on every platform; it is what GPUs and TPUs run, where a convolution call may
   pick Winograd or FFT and mix neighbouring windows.
 
-Masked taps are never read, so the gradients, the transposes of these same linear
-maps, never write to inputs reachable only through masked taps and leave masked
-kernel entries at exactly zero. Differentiation, batching and the per-platform choice
-are :mod:`maskconv_kernels.core`'s, shared with the kernel backends.
+With ``"conv"`` and ``"matmul"`` the gradients are the transposes of the same pieces.
+Whatever the strategy, a depthwise problem (``feature_group_count == C_in > 1``) is
+:mod:`maskconv_kernels.depthwise`'s sum of shifted products, and a problem with
+``segment_ids`` is im2col GEMMs whose columns are selected by document (a convolution
+cannot select).
+Masked taps are never read by any strategy, so the gradients never write to inputs
+reachable only through masked taps and leave masked kernel entries at exactly zero.
+Differentiation, batching and the per-platform choice are
+:mod:`maskconv_kernels.core`'s, shared with the kernel backends.
 """
 from __future__ import annotations
 
@@ -26,28 +39,49 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import core as jcore  # auto_insert_reshard: the vma cast lax's binary ops insert
 
-from . import depthwise
+from . import depthwise, xla_blocks
 from .masks import Mask, Term
 from .spec import ConvSpec
 
-__all__ = ["XlaConfig", "STRATEGIES", "unsupported", "forward", "input_grad", "weight_grad"]
+__all__ = ["XlaConfig", "STRATEGIES", "MAPS", "unsupported", "forward", "input_grad", "weight_grad"]
 
-STRATEGIES = ("auto", "conv", "matmul")
+STRATEGIES = ("auto", "conv", "matmul", *xla_blocks.STRATEGIES)
+MAPS = ("forward", "input_grad", "weight_grad")
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
-    """The ``xla`` backend's config: how each dense piece is computed.
+    """The ``xla`` backend's config: how each linear map is computed.
 
-    ``strategy``: ``"auto"`` (``"conv"`` when lowered for CPU, ``"matmul"`` elsewhere),
-    ``"conv"`` or ``"matmul"``.
+    ``strategy``: for every map, one of ``"auto"`` (:func:`cpu_strategy` when lowered
+    for CPU, ``"matmul"`` elsewhere), ``"conv"``, ``"matmul"``, ``"gemm"`` or
+    ``"conv_blocks"`` (the module's docstring says what each is).
+    ``forward``, ``input_grad``, ``weight_grad``: that map's strategy, overriding
+    ``strategy`` (``None``: ``strategy``'s). The blocked strategies where they do not
+    apply (feature groups; strides, for the input gradient) fall back to ``"conv"`` on
+    CPU and ``"matmul"`` elsewhere; the convolution strategies lowered for a GPU or TPU
+    are ``"matmul"``.
+    ``block_bytes``: the blocked strategies' im2col patches per block of pixels
+    (``None``: :data:`maskconv_kernels.xla_blocks.BLOCK_BYTES`).
     """
 
     strategy: str = "auto"
+    forward: str | None = None
+    input_grad: str | None = None
+    weight_grad: str | None = None
+    block_bytes: int | None = None
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
             raise ValueError(f"XlaConfig.strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        for kind in MAPS:
+            value = getattr(self, kind)
+            if value is not None and value not in STRATEGIES:
+                raise ValueError(f"XlaConfig.{kind} must be None or one of {STRATEGIES}, got {value!r}")
+        if self.block_bytes is not None and (
+            not isinstance(self.block_bytes, int) or isinstance(self.block_bytes, bool) or self.block_bytes < 1
+        ):
+            raise ValueError(f"XlaConfig.block_bytes must be None or a positive int, got {self.block_bytes!r}")
 
 
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
@@ -55,12 +89,58 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
     return None
 
 
-def _strategy(job) -> str:
-    strategy = (job.config or XlaConfig()).strategy
-    if strategy != "auto":
-        return strategy
-    # Decided per lowering platform, so a function lowered for GPU never holds a convolution.
-    return "conv" if job.platform == "cpu" else "matmul"
+def cpu_strategy(spec: ConvSpec, kind: str) -> str:
+    """What ``"auto"`` runs for map ``kind`` lowered for CPU.
+
+    Measured with ``benchmarks/roofline.py`` on a 2-core AMD EPYC VM shared with other
+    jobs (load average 3-5; jax 0.10.2 and 0.12, float32; ``benchmarks/results/
+    roofline_cpu_jax*.md``), each map's time against a GEMM of its FLOPs timed in the
+    same rounds, at 7x7 type A, 5x5 and 3x3 type B (N=16, 32x32) and a WaveNet layer.
+    Figures are that ratio (1.0: the GEMM's rate) and temporaries / size of ``x``:
+
+    * weight gradient: ``"gemm"``, 0.46-0.75 and 0.2-0.8. XLA's transpose of the per-box
+      convolutions (``"conv"``) ran at 0.33-0.36 at 3x3 type B and 0.48 at WaveNet, and
+      at 0.76-0.82 at C=64, always holding 2-5 times ``x``.
+    * forward and input gradient: ``"conv_blocks"``, 0.62-0.84 and 0.3. ``"conv"`` ran at
+      0.73-0.94 holding one to three times ``x`` (one output per box, summed); ``"gemm"``
+      at 0.51-0.89 (its im2col is copied twice: XLA:CPU copies each slice, then the stack).
+    * a mask that is one box (an unmasked WaveNet layer): ``"conv"``, one convolution
+      with nothing to sum, 0.95-1.19 and no temporaries (``"conv_blocks"`` 0.86-1.00).
+    """
+    if kind == "weight_grad":
+        return "gemm"
+    return "conv" if len(spec.mask.terms) == 1 else "conv_blocks"
+
+
+def _strategy(job, kind: str) -> str:
+    """The strategy of map ``kind`` (one of :data:`MAPS`) for the job's lowering platform."""
+    config = job.config or XlaConfig()
+    strategy = getattr(config, kind) or config.strategy
+    # Decided per lowering platform, so a function lowered for GPU or TPU never holds a
+    # convolution (which may run Winograd or FFT there and mix masked taps in).
+    other = "conv" if job.platform == "cpu" else "matmul"
+    if strategy == "auto":
+        strategy = cpu_strategy(job.spec, kind) if job.platform == "cpu" else "matmul"
+    if strategy == "conv_blocks" and job.platform != "cpu":
+        return "matmul"
+    if strategy == "conv" or (strategy in xla_blocks.STRATEGIES and xla_blocks.unsupported(job.spec, kind)):
+        return other
+    return strategy
+
+
+def _block_bytes(job) -> int:
+    return (job.config or XlaConfig()).block_bytes or xla_blocks.BLOCK_BYTES
+
+
+def _blocks_dtype(job, a, b):
+    """The dtype the blocked strategies' GEMMs and convolutions read ``a`` and ``b`` in
+    (their sums are in ``acc_dtype``)."""
+    if job.platform == "cpu":
+        # XLA:CPU's dot thunk rejects BF16 x BF16 = F32 where its YNNPACK fusion does not
+        # take the dot (jaxlib 0.10.2: the small dots of a channel-partial mask's pieces).
+        # Widening 16-bit values is exact, and each block is widened in cache.
+        return job.spec.acc_dtype
+    return jnp.promote_types(a.dtype, b.dtype)
 
 
 # The three maps the core (maskconv_kernels.core) lowers. The forward is linear in each
@@ -79,9 +159,12 @@ def _zeros_like_varying(shape, dtype, other):
 
 def forward(x, kernel, job, out_dtype, segment_ids=None):
     """``(N, *out_spatial, C_out)`` from ``x: (N, *spatial, C_in)`` and the kernel."""
-    spec = job.spec
+    spec, strategy = job.spec, _strategy(job, "forward")
     x, kernel = _read(x, spec.x_dtype, spec.dtype), _read(kernel, spec.kernel_dtype, spec.dtype)
-    return _forward(x, kernel, spec, _strategy(job), segment_ids).astype(out_dtype)
+    if strategy in xla_blocks.STRATEGIES:
+        y = xla_blocks.forward(x, kernel, spec, strategy, _blocks_dtype(job, x, kernel), _block_bytes(job))
+        return y.astype(out_dtype)
+    return _forward(x, kernel, spec, strategy, segment_ids).astype(out_dtype)
 
 
 # The gradients are the transposes of the forward, taken in the accumulation dtype. A
@@ -89,12 +172,17 @@ def forward(x, kernel, job, out_dtype, segment_ids=None):
 # rounds each piece's (and, through an im2col, each tap's) share to 16 bits before the
 # shares are added, in 16 bits. At a float32 primal with the other operand upcast
 # (exact: 16-bit values and their products are exact in float32, as lax's own transposes
-# upcast), the shares are summed in float32 and the result is rounded once.
+# upcast), the shares are summed in float32 and the result is rounded once. The "gemm"
+# and "conv_blocks" strategies' maps accumulate every piece and block in float32 themselves.
 
 
 def input_grad(dy, kernel, job, out_dtype, segment_ids=None):
     """``dx: (N, *spatial, C_in)`` from ``dy: (N, *out_spatial, C_out)``, rounded once from float32."""
-    spec, strategy, acc = job.spec, _strategy(job), job.spec.acc_dtype
+    spec, strategy, acc = job.spec, _strategy(job, "input_grad"), job.spec.acc_dtype
+    if strategy in xla_blocks.STRATEGIES:
+        dy, kernel = _read(dy, spec.out_dtype, spec.out_dtype), _read(kernel, spec.kernel_dtype, spec.dtype)
+        dx = xla_blocks.input_grad(dy, kernel, spec, strategy, _blocks_dtype(job, dy, kernel), _block_bytes(job))
+        return dx.astype(out_dtype)
     x = _zeros_like_varying((dy.shape[0], *spec.in_spatial, spec.c_in), acc, dy)
     kernel, dy = _read(kernel, spec.kernel_dtype, acc), _read(dy, spec.out_dtype, acc)
     (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy, segment_ids), x)(dy)
@@ -103,7 +191,11 @@ def input_grad(dy, kernel, job, out_dtype, segment_ids=None):
 
 def weight_grad(x, dy, job, out_dtype, segment_ids=None):
     """``dk: (*window, C_in // groups, C_out)``, exactly zero on masked entries (never computed)."""
-    spec, strategy, acc = job.spec, _strategy(job), job.spec.acc_dtype
+    spec, strategy, acc = job.spec, _strategy(job, "weight_grad"), job.spec.acc_dtype
+    if strategy in xla_blocks.STRATEGIES:  # "conv_blocks" too: a convolution's weight gradient is the slow one
+        x, dy = _read(x, spec.x_dtype, spec.dtype), _read(dy, spec.out_dtype, spec.out_dtype)
+        dk = xla_blocks.weight_grad(x, dy, spec, _blocks_dtype(job, x, dy), _block_bytes(job))
+        return dk.astype(out_dtype)
     kernel = _zeros_like_varying((*spec.window, spec.c_in // spec.groups, spec.c_out), acc, dy)
     x, dy = _read(x, spec.x_dtype, acc), _read(dy, spec.out_dtype, acc)
     (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy, segment_ids), kernel)(dy)

@@ -83,7 +83,12 @@ def _backends() -> dict[str, Backend]:
     their interpreters elsewhere (what CI checks on CPU); one whose package is missing
     here (triton without the extra), or that needs a newer jax (pallas_mosaic_gpu on jax
     0.10), is left out, and its own tests say so."""
-    found = {"xla": Backend("xla"), "xla_matmul": Backend("xla", config=XlaConfig("matmul"))}  # what GPUs run, on CPU
+    found = {
+        "xla": Backend("xla"),  # per map, what this platform runs (on CPU: "conv_blocks", dw "gemm")
+        "xla_conv": Backend("xla", config=XlaConfig("conv")),  # per-box convolutions and their transposes
+        "xla_gemm": Backend("xla", config=XlaConfig("gemm")),  # blocked im2col GEMMs, every map
+        "xla_matmul": Backend("xla", config=XlaConfig("matmul")),  # what GPUs run, on CPU
+    }
     for name, record in backends.BACKENDS.items():
         if not record.kernel_problem:
             continue

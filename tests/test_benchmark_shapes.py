@@ -1,4 +1,4 @@
-"""Every benchmark shape (benchmarks/shapes.py), checked for correctness at batch 1.
+"""Every benchmark shape (benchmarks/shapes.py, the roofline's too), checked for correctness at batch 1.
 
 The benchmarks time these real-model layers; this makes sure each implementation
 computes them right first. The reference is a float64 loop over active taps (one
@@ -7,6 +7,7 @@ matmul per tap, written here because the package's per-channel oracle is too slo
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from conftest import assert_close, random
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root holds benchmarks/
 
+from benchmarks import roofline  # noqa: E402
 from benchmarks import run as bench  # noqa: E402
-from benchmarks.shapes import SHAPES, BenchShape  # noqa: E402
+from benchmarks.shapes import ROOFLINE_SHAPES, SHAPES, BenchShape  # noqa: E402
 from maskconv_kernels.spec import make_spec  # noqa: E402
 
 
@@ -48,7 +50,7 @@ def _reference(x, k, dy, spec):
 _REFERENCES: dict[str, tuple] = {}
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", SHAPES + ROOFLINE_SHAPES, ids=lambda s: s.name)
 def test_benchmark_shape_matches_float64(conv, shape: BenchShape):
     if conv.slow:
         pytest.skip(f"{conv.name} runs in interpret mode here, too slow for real-model sizes; tests/cases.py covers it")
@@ -114,3 +116,23 @@ def test_benchmark_cell_reports_exactness_and_metadata():
     # Exact: masked taps are never read. The baseline multiplies NaN by a zero kernel entry.
     assert by_impl["xla"]["leak_max_abs"] == 0.0 and by_impl["xla"]["nan_isolated"]
     assert not by_impl["baseline"]["nan_isolated"] and by_impl["baseline"]["nan_changed"] > 0
+
+
+def test_roofline_rows_carry_rates_efficiencies_memory_and_metadata():
+    """The roofline on one tiny shape: a row per map and strategy, each set against its GEMM."""
+    shape = BenchShape("tiny_3x3B", "pixelcnn", (6, 6), 4, 4, np.asarray(ROOFLINE_SHAPES[2].mask), 2, 2)
+    quick = dataclasses.replace(roofline.TIMING, samples=2, min_sample_s=0.0)
+    rows = roofline.measure_shape(shape, "float32", [1.0], bench.metadata("roofline"), quick)
+    maps = [r for r in rows if r["map"] in roofline.MAPS and r["strategy"] != "GEMM"]
+    strategies = {r["strategy"] for r in maps}
+    assert strategies == {*roofline.STRATEGIES, "gemm 1 MiB", "conv_blocks 1 MiB", roofline.LAX}
+    assert len(maps) == 3 * len(strategies)
+    for r in rows:
+        for key in ("device", "jax", "jaxlib", "commit", "time_utc", "loadavg", "median_s", "gflops", "temp_bytes"):
+            assert key in r, key
+    for r in maps:
+        assert r["efficiency"] > 0 and r["extra_over_x"] >= 0
+    (ours,) = [r for r in rows if r["map"] == "fwd+bwd" and r["strategy"] == "default"]
+    assert ours["tap_ratio"] == 9 / 5 and ours["speedup"] > 0
+    # A table line per map, strategy and GEMM, and one for forward+backward.
+    assert roofline.table(rows).count("| tiny_3x3B | float32 |") == len(maps) + 3 + 1

@@ -74,10 +74,11 @@ def test_one_artifact_for_cpu_and_cuda_runs_on_cpu_and_holds_the_kernels_for_cud
     exported = _export(_value_and_grad(None), ("cpu", "cuda"), x, k)
     text = exported.mlir_module()
     assert exported.platforms == ("cpu", "cuda")
-    # The cuda branch: the Pallas kernels; the cpu branch: xla's convolutions.
+    # The cuda branch: the Pallas kernels; the cpu branch: xla's convolutions over blocks
+    # of pixels (forward, input gradient) and GEMMs (weight gradient).
     for name in PALLAS_KERNELS:
         assert f'name = "{name}"' in text, name
-    assert "stablehlo.convolution" in text
+    assert "stablehlo.convolution" in text and "stablehlo.dot_general" in text
     assert "stablehlo.case" in text
     if jax.default_backend() == "cpu":
         value, (dx, dk) = exported.call(x, k)
