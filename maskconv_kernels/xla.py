@@ -92,24 +92,30 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
 def cpu_strategy(spec: ConvSpec, kind: str) -> str:
     """What ``"auto"`` runs for map ``kind`` lowered for CPU.
 
-    Measured with ``benchmarks/roofline.py`` on a 2-core AMD EPYC VM shared with other
-    jobs (load average 3-5; jax 0.10.2 and 0.12, float32; ``benchmarks/results/
-    roofline_cpu_jax*.md``), each map's time against a GEMM of its FLOPs timed in the
-    same rounds, at 7x7 type A, 5x5 and 3x3 type B (N=16, 32x32) and a WaveNet layer.
-    Figures are that ratio (1.0: the GEMM's rate) and temporaries / size of ``x``:
+    Measured with ``benchmarks/roofline.py`` on the 2-core AMD EPYC VM with nothing else
+    running (load average 1.4-2.1, its idle level; jax 0.10.2, float32;
+    ``benchmarks/results/roofline_cpu_jax*.md``), each map's time against a GEMM of its
+    FLOPs timed in the same rounds, at 7x7 type A, 5x5 and 3x3 type B (N=16, 32x32) and a
+    WaveNet layer. Figures are that ratio (1.0: the GEMM's rate), then temporaries / size
+    of ``x``:
 
-    * weight gradient: ``"gemm"``, 0.46-0.75 and 0.2-0.8. XLA's transpose of the per-box
-      convolutions (``"conv"``) ran at 0.33-0.36 at 3x3 type B and 0.48 at WaveNet, and
-      at 0.76-0.82 at C=64, always holding 2-5 times ``x``.
-    * forward and input gradient: ``"conv_blocks"``, 0.62-0.84 and 0.3. ``"conv"`` ran at
-      0.73-0.94 holding one to three times ``x`` (one output per box, summed); ``"gemm"``
-      at 0.51-0.89 (its im2col is copied twice: XLA:CPU copies each slice, then the stack).
-    * a mask that is one box (an unmasked WaveNet layer): ``"conv"``, one convolution
-      with nothing to sum, 0.95-1.19 and no temporaries (``"conv_blocks"`` 0.86-1.00).
+    * forward: ``"conv"``, one XLA convolution per box over the whole batch, 0.71-0.96
+      (1.2 for a one-box WaveNet layer), 1-3. The blocked strategies run a block at a
+      time in a ``lax.scan``, and a block's copies and small GEMMs keep one of the two
+      cores idle: ``"conv_blocks"`` 0.42-0.48 (0.3), ``"gemm"`` 0.46-0.62 (1.0).
+    * input gradient: ``"gemm"`` where the mask has several boxes, 0.48-0.62 and 0.4-1.0,
+      as fast as XLA's transpose of ``"conv"`` (0.45-0.57), which holds 1-3; a one-box
+      mask keeps ``"conv"``'s single transposed convolution (1.18, no temporaries).
+    * weight gradient: ``"gemm"``, 0.44-0.58 and 0.2-0.8, where XLA's transpose of the
+      per-box convolutions (``"conv"``) ran at 0.30 at 3x3 type B and held 2-5.
+
+    Under load (other processes on both cores, load average 3-5) the blocked strategies
+    lose nothing to an idle core, and ``"conv_blocks"`` ran the forward at 0.62-0.84:
+    ``XlaConfig(forward="conv_blocks")`` for one block's memory.
     """
-    if kind == "weight_grad":
-        return "gemm"
-    return "conv" if len(spec.mask.terms) == 1 else "conv_blocks"
+    if kind == "forward" or (kind == "input_grad" and len(spec.mask.terms) == 1):
+        return "conv"
+    return "gemm"
 
 
 def _strategy(job, kind: str) -> str:

@@ -84,9 +84,10 @@ def _backends() -> dict[str, Backend]:
     here (triton without the extra), or that needs a newer jax (pallas_mosaic_gpu on jax
     0.10), is left out, and its own tests say so."""
     found = {
-        "xla": Backend("xla"),  # per map, what this platform runs (on CPU: "conv_blocks", dw "gemm")
+        "xla": Backend("xla"),  # per map, what this platform runs (on CPU: fwd "conv", dx and dw "gemm")
         "xla_conv": Backend("xla", config=XlaConfig("conv")),  # per-box convolutions and their transposes
         "xla_gemm": Backend("xla", config=XlaConfig("gemm")),  # blocked im2col GEMMs, every map
+        "xla_conv_blocks": Backend("xla", config=XlaConfig("conv_blocks")),  # blocked convolutions per box
         "xla_matmul": Backend("xla", config=XlaConfig("matmul")),  # what GPUs run, on CPU
     }
     for name, record in backends.BACKENDS.items():
