@@ -93,29 +93,36 @@ def cpu_strategy(spec: ConvSpec, kind: str) -> str:
     """What ``"auto"`` runs for map ``kind`` lowered for CPU.
 
     Measured with ``benchmarks/roofline.py`` on the 2-core AMD EPYC VM with nothing else
-    running (load average 1.4-2.1, its idle level; jax 0.10.2, float32;
+    running (load average 1.5-2.3, its idle level; jax 0.10.2 and 0.12, float32;
     ``benchmarks/results/roofline_cpu_jax*.md``), each map's time against a GEMM of its
-    FLOPs timed in the same rounds, at 7x7 type A, 5x5 and 3x3 type B (N=16, 32x32) and a
-    WaveNet layer. Figures are that ratio (1.0: the GEMM's rate), then temporaries / size
-    of ``x``:
+    FLOPs timed in the same rounds, at 7x7 type A and 5x5 type B (C=64), 3x3 type B
+    (C=128), N=16, 32x32, and a WaveNet layer (C=128). Figures are that ratio (1.0: the
+    GEMM's rate):
 
-    * forward: ``"conv"``, one XLA convolution per box over the whole batch, 0.71-0.96
-      (1.2 for a one-box WaveNet layer), 1-3. The blocked strategies run a block at a
-      time in a ``lax.scan``, and a block's copies and small GEMMs keep one of the two
-      cores idle: ``"conv_blocks"`` 0.42-0.48 (0.3), ``"gemm"`` 0.46-0.62 (1.0).
-    * input gradient: ``"gemm"`` where the mask has several boxes, 0.48-0.62 and 0.4-1.0,
-      as fast as XLA's transpose of ``"conv"`` (0.45-0.57), which holds 1-3; a one-box
-      mask keeps ``"conv"``'s single transposed convolution (1.18, no temporaries).
-    * weight gradient: ``"gemm"``, 0.44-0.58 and 0.2-0.8, where XLA's transpose of the
-      per-box convolutions (``"conv"``) ran at 0.30 at 3x3 type B and held 2-5.
+    * forward and input gradient: ``"conv"``, one XLA convolution per box over the whole
+      batch and its transpose, 0.71-0.96 forward (1.2 for the one-box WaveNet layer);
+      input gradient 0.77-0.82 on jax 0.12, 0.45-0.57 on 0.10. The blocked strategies
+      run a block at a time in a ``lax.scan``, and a block's copies and small GEMMs
+      leave one of the two cores idle: ``"conv_blocks"`` 0.42-0.58, ``"gemm"`` 0.32-0.62.
+    * weight gradient: ``"gemm"`` from 128 x 128 channels, 0.55-0.71, where XLA's
+      transpose of the per-box convolutions (``"conv"``) ran at 0.30-0.40 (and held 2-5
+      times ``x``); below that ``"conv"``, which at C=64 ran at 0.73-0.80 on jax 0.12
+      (``"gemm"`` 0.37-0.48) and level with ``"gemm"`` on 0.10 (0.44-0.46).
 
-    Under load (other processes on both cores, load average 3-5) the blocked strategies
-    lose nothing to an idle core, and ``"conv_blocks"`` ran the forward at 0.62-0.84:
-    ``XlaConfig(forward="conv_blocks")`` for one block's memory.
+    ``"conv"`` holds the per-box outputs (one to three times ``x``), the blocked
+    strategies one block: ``XlaConfig(forward="conv_blocks", input_grad="conv_blocks",
+    weight_grad="gemm")`` for that memory, at the rates above (under load from other
+    processes the blocked strategies lose nothing to an idle core and ran the forward at
+    0.62-0.84).
     """
-    if kind == "forward" or (kind == "input_grad" and len(spec.mask.terms) == 1):
-        return "conv"
-    return "gemm"
+    if kind == "weight_grad" and spec.c_in * spec.c_out >= _GEMM_WEIGHT_GRAD_CHANNELS:
+        return "gemm"
+    return "conv"
+
+
+# The weight gradient's GEMMs win from C_in x C_out = 128 x 128 (3x3 type B, WaveNet);
+# at 64 x 64 XLA's transposed convolution is as fast or faster (cpu_strategy's figures).
+_GEMM_WEIGHT_GRAD_CHANNELS = 128 * 128
 
 
 def _strategy(job, kind: str) -> str:

@@ -19,7 +19,7 @@ from cases import CASES
 from conftest import assert_close, random
 
 import maskconv_kernels as mk
-from maskconv_kernels import xla_blocks
+from maskconv_kernels import xla, xla_blocks
 from maskconv_kernels.reference import masked_conv_reference, masked_conv_reference_vjp
 from maskconv_kernels.spec import make_spec
 from maskconv_kernels.xla import XlaConfig
@@ -158,11 +158,12 @@ def test_each_map_runs_its_own_strategy():
     # "conv_blocks": a convolution per box in the forward and the input gradient, the
     # weight gradient's GEMMs.
     assert _convolutions(XlaConfig("conv_blocks")) == 4
-    # "auto" on CPU: the forward's per-box convolutions ("conv": the 1x3 box; the 1x2 box
-    # a GEMM beside it), both gradients' GEMMs; for a mask that is one box, its
-    # convolution and that convolution's transpose, the input gradient.
-    assert _convolutions(None) == 1
-    assert _convolutions(None, mask=np.ones((2, 3), bool)) == 2
+    # "auto" on CPU: "conv" (a convolution per map at 8 channels); from 128 x 128
+    # channels the weight gradient's GEMMs.
+    assert _convolutions(None) == 3
+    assert _convolutions(None, mask=np.ones((2, 3), bool)) == 3
+    assert xla.cpu_strategy(make_spec(np.zeros((1, 4, 4, 128)), np.zeros((3, 3, 128, 128)), MASK_3X3B), "weight_grad") == "gemm"
+    assert xla.cpu_strategy(make_spec(np.zeros((1, 4, 4, 64)), np.zeros((3, 3, 64, 64)), MASK_3X3B), "weight_grad") == "conv"
 
 
 def test_blocked_strategies_fall_back_where_they_do_not_apply():
@@ -184,15 +185,12 @@ def test_no_strategy_lowered_for_cuda_has_a_convolution(strategy):
         assert "stablehlo.dot_general" in text, kw
 
 
-@pytest.mark.parametrize(
-    "strategy, which",
-    [(s, w) for s in BLOCKED for w in ("forward", "input_grad", "weight_grad")]
-    + [("auto", "input_grad"), ("auto", "weight_grad")],
-)
+@pytest.mark.parametrize("which", ["forward", "input_grad", "weight_grad"])
+@pytest.mark.parametrize("strategy", BLOCKED)
 def test_blocked_extra_memory_is_less_than_x(strategy, which):
     """7x7 type A: the im2col of every active tap would be 24 times x, and one
     convolution per box over the whole batch sums two outputs the size of x; one block
-    holds less than x. ("auto"'s forward is "conv", that sum: faster on an idle CPU.)"""
+    holds less than x. ("auto" on CPU is "conv", that sum: faster on an idle CPU.)"""
     x = jax.ShapeDtypeStruct((16, 32, 32, 64), np.float32)
     k = jax.ShapeDtypeStruct((7, 7, 64, 64), np.float32)
     mask = mk.pixelcnn_mask((7, 7), "A")
