@@ -5,16 +5,17 @@ taps that is active for a set of (input, output) channels. Each of the three lin
 maps (forward, input gradient, weight gradient) is computed by one of four strategies,
 chosen per map and per platform when the function is lowered (:class:`XlaConfig`):
 
+* ``"conv"``: ``lax.conv_general_dilated`` over each term's sub-kernel, with the padding
+  shifted to the box's offset (boxes of one or two taps use the im2col GEMM below).
+  XLA's CPU convolution is a direct convolution, so an output reads only the inputs
+  under its box; the NaN-isolation tests prove it there. What CPUs run (the weight
+  gradient from 128 x 128 channels excepted: :func:`cpu_strategy`).
 * ``"gemm"`` and ``"conv_blocks"`` (:mod:`maskconv_kernels.xla_blocks`): each map
   written out over blocks of pixels, so that a block stays in cache and the extra
   memory is one block's; ``"gemm"`` as GEMMs over an im2col of every active tap (all
   boxes in one GEMM), ``"conv_blocks"`` as one convolution per box (its weight gradient
-  is ``"gemm"``'s). What CPUs run. Ungrouped problems, and stride 1 for the input
+  is ``"gemm"``'s). Ungrouped problems without segment ids, and stride 1 for the input
   gradient; elsewhere the platform's other strategy.
-* ``"conv"``: ``lax.conv_general_dilated`` over each term's sub-kernel, with the padding
-  shifted to the box's offset (boxes of one or two taps use the im2col GEMM below).
-  XLA's CPU convolution is a direct convolution, so an output reads only the inputs
-  under its box; the NaN-isolation tests prove it there.
 * ``"matmul"``: an im2col of each box's taps (strided slices of the padded input)
   contracted with ``dot_general``. Only multiplies and adds of active taps, so it is
   exact on every platform; it is what GPUs and TPUs run, where a convolution call may

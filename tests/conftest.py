@@ -103,12 +103,21 @@ def _backends() -> dict[str, Backend]:
 BACKENDS = _backends()
 # Backends too slow for large or many cases (interpret mode).
 SLOW_BACKENDS: set[str] = {name for name, b in BACKENDS.items() if b.interpret}
+# The backends whose shared suites run in the slow tier (.ci/run runs it after the
+# README's command): the interpreted kernels (test_agreement.py's smoke test keeps one
+# case of each in the README's command), and the xla strategies no platform's default
+# runs at the suites' sizes ("conv" is what "xla" runs on CPU below 128 x 128 channels;
+# "conv_blocks" is only chosen by hand, and test_xla.py's block tests keep it in the
+# README's command).
+SLOW_TIER_BACKENDS: set[str] = SLOW_BACKENDS | ({"xla_conv", "xla_conv_blocks"} & set(BACKENDS))
 
 
-# The interpreted kernel backends run the shared suites in the slow tier (.ci/run runs
-# it after the README's command); test_agreement.py's smoke test keeps one case of each
-# in the README's command.
-@pytest.fixture(params=[pytest.param(n, marks=pytest.mark.slow) if n in SLOW_BACKENDS else n for n in sorted(BACKENDS)])
+def backend_params() -> list:
+    """Every backend's name, marked slow where :data:`SLOW_TIER_BACKENDS` says."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TIER_BACKENDS else n for n in sorted(BACKENDS)]
+
+
+@pytest.fixture(params=backend_params())
 def conv(request):
     return _Named(request.param, BACKENDS[request.param])
 

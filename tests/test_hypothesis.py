@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import BACKENDS, SLOW_BACKENDS, assert_close, random
+from conftest import BACKENDS, assert_close, backend_params, random
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -45,9 +45,7 @@ def problems(draw, max_stride=3, group_counts=(1, 1, 2)):
     return seed, x_shape, kernel_shape, bits, args
 
 
-_PARAMS = [
-    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_BACKENDS else name for name in sorted(BACKENDS)
-]
+_PARAMS = backend_params()
 
 
 def _takes(conv, **args) -> bool:
