@@ -113,8 +113,13 @@ SLOW_TIER_BACKENDS: set[str] = SLOW_BACKENDS | ({"xla_conv", "xla_conv_blocks"} 
 
 
 def backend_params() -> list:
-    """Every backend's name, marked slow where :data:`SLOW_TIER_BACKENDS` says."""
-    return [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TIER_BACKENDS else n for n in sorted(BACKENDS)]
+    """Every backend's name, marked slow where :data:`SLOW_TIER_BACKENDS` says (and
+    ``interpreted`` where it runs in an interpreter)."""
+
+    def marks(name):
+        return [pytest.mark.slow, *([pytest.mark.interpreted] if name in SLOW_BACKENDS else [])]
+
+    return [pytest.param(n, marks=marks(n)) if n in SLOW_TIER_BACKENDS else n for n in sorted(BACKENDS)]
 
 
 @pytest.fixture(params=backend_params())
