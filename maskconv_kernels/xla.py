@@ -42,6 +42,7 @@ from jax._src import core as jcore  # auto_insert_reshard: the vma cast lax's bi
 
 from . import depthwise, xla_blocks
 from .masks import Mask, Term
+from .xla_blocks import _take  # a[..., indices] as a slice where contiguous
 from .spec import ConvSpec
 
 __all__ = ["XlaConfig", "STRATEGIES", "MAPS", "unsupported", "forward", "input_grad", "weight_grad"]
@@ -270,14 +271,6 @@ def _per_group(x, kernel, spec: ConvSpec, strategy: str, segment_ids=None):
 
 def _replace_mask(spec, bits, **changes):
     return dataclasses.replace(spec, mask=Mask(spec.window, bits), **changes)
-
-
-def _take(a, indices, axis):
-    """``a[..., indices]`` as a slice when the indices are contiguous (no gather)."""
-    start = indices[0]
-    if indices == tuple(range(start, start + len(indices))):
-        return lax.slice_in_dim(a, start, start + len(indices), axis=a.ndim + axis if axis < 0 else axis)
-    return jnp.take(a, jnp.asarray(indices), axis=axis)
 
 
 def _sub_kernel(kernel, term: Term):
