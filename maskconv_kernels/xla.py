@@ -42,8 +42,8 @@ from jax._src import core as jcore  # auto_insert_reshard: the vma cast lax's bi
 
 from . import depthwise, xla_blocks
 from .masks import Mask, Term
-from .xla_blocks import _take  # a[..., indices] as a slice where contiguous
 from .spec import ConvSpec
+from .xla_blocks import _take  # a[..., indices] as a slice where contiguous
 
 __all__ = ["XlaConfig", "STRATEGIES", "MAPS", "unsupported", "forward", "input_grad", "weight_grad"]
 
@@ -60,7 +60,7 @@ class XlaConfig:
     ``"conv_blocks"`` (the module's docstring says what each is).
     ``forward``, ``input_grad``, ``weight_grad``: that map's strategy, overriding
     ``strategy`` (``None``: ``strategy``'s). The blocked strategies where they do not
-    apply (feature groups; strides, for the input gradient) fall back to ``"conv"`` on
+    apply (feature groups, segment ids; strides, for the input gradient) fall back to ``"conv"`` on
     CPU and ``"matmul"`` elsewhere; the convolution strategies lowered for a GPU or TPU
     are ``"matmul"``.
     ``block_bytes``: the blocked strategies' im2col patches per block of pixels
