@@ -1,5 +1,11 @@
-"""maskconv-kernels: exact and fast masked convolutions for JAX."""
-from .api import IMPLEMENTATIONS, masked_conv
+"""maskconv-kernels: exact and fast masked convolutions for JAX.
+
+The ops are packages of :mod:`maskconv_kernels.ops`, each with its implementations;
+:mod:`.masks` builds masks, :mod:`.parallel` splits a spatial or sequence axis over
+devices, :mod:`.audit` checks a whole model for causality, :mod:`.flax` and
+:mod:`.equinox` hold the modules, and ``python -m maskconv_kernels`` prints the leak report.
+"""
+from . import _moved
 from .audit import CausalityError, CausalityReport, as_function, assert_causal, audit_causal
 from .masks import (
     Mask,
@@ -9,8 +15,11 @@ from .masks import (
     pixelcnn_mask,
     vertical_stack_mask,
 )
-from .reference import leaky_masked_conv, masked_conv_reference
-from .short_conv import causal_conv1d, causal_conv1d_update
+from .ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from .ops.masked_conv import IMPLEMENTATIONS, masked_conv
+from .ops.masked_conv.reference import leaky_masked_conv, masked_conv_reference
+
+_moved.install()
 
 __version__ = "0.1.0"
 

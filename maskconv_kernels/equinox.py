@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from maskconv_kernels.api import masked_conv
-from maskconv_kernels.layout import Layout
+from maskconv_kernels.ops.masked_conv import masked_conv
+from maskconv_kernels.ops.masked_conv.layout import Layout
 from maskconv_kernels.masks import Mask, as_mask
 
 __all__ = ["Conv", "MaskedConv", "Conv1d", "Conv2d", "Conv3d"]

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import implementation_for, masked_conv
 from .audit import audit_causal
 from .masks import pixelcnn_mask
-from .reference import leaky_masked_conv
-from .spec import make_spec
+from .ops.masked_conv import implementation_for, masked_conv
+from .ops.masked_conv.reference import leaky_masked_conv
+from .ops.masked_conv.spec import make_spec
 
 LAST_ROW_MASKED = np.array([[1, 1, 1], [1, 1, 1], [0, 0, 0]], bool)
 

@@ -91,7 +91,7 @@ def _backends() -> dict[str, Backend]:
         "xla_matmul": Backend("xla", config=XlaConfig("matmul")),  # what GPUs run, on CPU
     }
     for name, record in backends.BACKENDS.items():
-        if not record.kernel_problem:
+        if "kernel_problem" not in record.traits:
             continue
         dtype = suite_dtype(record)
         if dtype is None:

@@ -65,7 +65,7 @@ def test_triton_exports_for_cuda_where_jax_triton_imports_and_says_why_not_elsew
         return
     # jax-triton needs a jaxlib with CUDA support on the host that lowers.
     assert "jax-triton" in reason
-    with pytest.raises(NotImplementedError, match='implementation="triton" cannot be lowered for platform "cuda"'):
+    with pytest.raises(NotImplementedError, match=r'implementation="triton"\) cannot be lowered for platform "cuda"'):
         _export(_value_and_grad("triton"), ("cuda",), x, k)
 
 
@@ -93,7 +93,7 @@ def test_one_artifact_for_cpu_and_cuda_runs_on_cpu_and_holds_the_kernels_for_cud
 def test_a_gpu_backend_lowered_for_cpu_names_the_platform_and_the_interpret_hint():
     x, k = _xk()
     f = jax.jit(_value_and_grad("pallas_triton"))
-    with pytest.raises(NotImplementedError, match=r'"pallas_triton" cannot be lowered for platform "cpu".*interpret=True'):
+    with pytest.raises(NotImplementedError, match=r'"pallas_triton"\) cannot be lowered for platform "cpu".*interpret=True'):
         f.trace(x, k).lower(lowering_platforms=("cpu",))
     # interpret=True lowers for every platform: the same kernels, interpreted.
     text = jax.jit(_value_and_grad("pallas_triton", interpret=True)).trace(x, k).lower(

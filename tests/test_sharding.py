@@ -69,7 +69,7 @@ def _runs_on_cpu(name) -> bool:
 # "xla" through the wrapper the kernel backends get. Interpreters that are host callbacks
 # (Triton's) are not partitioned at all (backends.Backend.host_interpret says why).
 DATA_PARALLEL = [
-    name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name) and not backends.get(name).host_interpret
+    name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name) and backends.get(name).interpreter is None
 ] + ["xla-as-kernel"]
 
 

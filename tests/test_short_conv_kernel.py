@@ -23,7 +23,8 @@ from conftest import ON_GPU, assert_close, cuda_lowering, random, with_ttir_pass
 
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
 from maskconv_kernels.hardware import COMPUTE_CAPABILITY
-from maskconv_kernels.short_conv_kernels import KERNELS, BlockSizes, final_state
+from maskconv_kernels.ops.causal_conv1d.pallas_triton import KERNELS, BlockSizes
+from maskconv_kernels.ops.causal_conv1d.state import final_state
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
 INTERPRET = not ON_GPU
@@ -275,7 +276,7 @@ def test_kernels_compile_for_sm90_to_vector_loads_without_spills(dtype, monkeypa
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, w, b, state, ids).lower(
             lowering_platforms=("cuda",))
     blocks = BlockSizes.get_default(length, dim)
-    warps = {name: blocks.tile(backward=name != "short_conv_fwd")[2] for name in KERNELS}
+    warps = {name: blocks.tile(backward=name != KERNELS[0])[2] for name in KERNELS}
     assert len(modules) == len(KERNELS), len(modules)
     for module in modules:
         name = next(n for n in sorted(KERNELS, key=len, reverse=True) if n in module)
@@ -292,16 +293,55 @@ def test_kernels_compile_for_sm90_to_vector_loads_without_spills(dtype, monkeypa
         assert spills and not any(spills), f"{name}: register spills ({run.stdout + run.stderr})"
 
 
-def test_lowering_elsewhere_needs_interpret_and_only_first_reverse_derivatives_run():
+def test_lowering_elsewhere_needs_interpret():
     x, w = jnp.ones((1, 5, 16), jnp.float32), jnp.ones((4, 16), jnp.float32)
     f = jax.jit(lambda x: causal_conv1d(x, w, implementation="pallas_triton"))
-    with pytest.raises(NotImplementedError, match='platform "cpu".*interpret=True'):
+    with pytest.raises(NotImplementedError, match=r'causal_conv1d\(implementation="pallas_triton"\) cannot be lowered '
+                                                  r'for platform "cpu".*interpret=True'):
         f.trace(x).lower(lowering_platforms=("cpu",))
-    g = lambda x: causal_conv1d(x, w, implementation="pallas_triton", interpret=True)  # noqa: E731
-    with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(g, (x,), (x,))
-    with pytest.raises(NotImplementedError, match="short_conv_bwd"):  # first derivatives only
-        jax.grad(lambda x: jax.grad(lambda x: g(x).sum())(x).sum())(x)
+
+
+def test_derivatives_of_every_order_match_the_xla_implementation():
+    """Forward mode, reverse over reverse, a Hessian and a transposed JVP through the fused
+    kernels, against the xla implementation's (same math; the fused backward runs the
+    first reverse derivative, the xla maps the ones above it)."""
+    x, w, b, state, _ = _case(21, 2, 11, 16, 3, 2, F32, F32)
+    ids = jnp.asarray(_ids(26, 2, 11))
+
+    def conv(implementation):
+        return lambda x, w, b, state: causal_conv1d(
+            x, w, b, segment_ids=ids, initial_state=state, activation="silu", dilation=2,
+            implementation=implementation, interpret=INTERPRET, config=SMALL if implementation != "xla" else None)
+
+    fused, xla = conv("pallas_triton"), conv("xla")
+    args = (x, w, b, state)
+    loss = lambda f: lambda *a: jnp.sum(jnp.tanh(f(*a)) ** 2)  # noqa: E731
+    scale = float(np.abs(x).max() * np.abs(w).max() * 3)
+
+    def close(a, e, reduction):
+        assert_close(a, e, F32, reduction, max(scale, float(np.abs(np.asarray(e)).max())))
+
+    close(jax.jvp(fused, args, args)[1], jax.jvp(xla, args, args)[1], 2 * 3 * 2)
+    second = lambda f: jax.grad(lambda w: jnp.sum(jax.grad(loss(f), argnums=0)(x, w, b, state) ** 2))  # noqa: E731
+    close(second(fused)(w), second(xla)(w), 2 * 11 * 3 * 4)
+    hessian = lambda f: jax.hessian(lambda b: loss(f)(x, w, b, state))(b)  # noqa: E731
+    close(hessian(fused), hessian(xla), 2 * 11 * 4)
+    transposed = jax.linear_transpose(lambda t: jax.jvp(lambda x: fused(x, w, b, state), (x,), (t,))[1], x)
+    reverse = jax.vjp(lambda x: fused(x, w, b, state), x)[1]
+    ones = jnp.ones_like(x)
+    close(transposed(ones)[0], reverse(ones)[0], 3 * 2)
+
+
+def test_a_gradient_runs_the_fused_backward_kernel():
+    """Lowered for cuda, the first reverse derivative is the fused backward kernel (the
+    forward's output is not needed for it), with no convolution."""
+    x, w = jnp.ones((2, 64, 32), jnp.bfloat16), jnp.ones((4, 32), jnp.float32)
+    grad = jax.grad(lambda x, w: causal_conv1d(x, w, activation="silu", implementation="pallas_triton")
+                    .astype(jnp.float32).sum(), argnums=(0, 1))
+    with cuda_lowering():
+        text = jax.jit(grad).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert f'name = "{KERNELS[1]}"' in text
+    assert "convolution" not in text
 
 
 def test_vmap_over_examples_folds_into_the_batch():
@@ -319,7 +359,7 @@ def test_vmap_over_examples_folds_into_the_batch():
      ("backward_splits", 1.5)],
 )
 def test_block_sizes_are_validated(field, value):
-    with pytest.raises(ValueError, match=f"BlockSizes.{field}"):
+    with pytest.raises(ValueError, match=f"Config.{field}"):
         BlockSizes(**{field: value})
 
 
@@ -332,6 +372,6 @@ def test_block_sizes_default_to_the_problem_and_splits_fill_the_sms():
     assert blocks.splits(32, 1024) == 17
     assert blocks.splits(32, 2) == 2 and blocks.splits(1, 7) == 7
     assert BlockSizes(backward_splits=1).splits(32, 1024) == 1
-    with pytest.raises(TypeError, match="BlockSizes"):
+    with pytest.raises(TypeError, match=r"pallas_triton\.config\.Config"):
         causal_conv1d(jnp.ones((1, 4, 8)), jnp.ones((2, 8)), implementation="pallas_triton", interpret=True,
                       config=dict(block_positions=16))

@@ -187,7 +187,7 @@ def test_core_package_imports_neither_triton_nor_jax_triton():
 
 def test_config_rejects_blocks_tl_dot_cannot_take():
     with pytest.raises(ValueError, match="block_k must be a power of two >= 16"):
-        config.Config(block_m=64, block_n=64, block_k=8)
+        config.Launch(block_m=64, block_n=64, block_k=8)
 
 
 @pytest.mark.parametrize("kind", config.KINDS)
@@ -219,7 +219,7 @@ def test_weight_gradient_splits_cover_every_pixel_once():
     k = jax.ShapeDtypeStruct((3, 3, 4, 5), np.float32)
     p = ops.problem(make_spec(x, k, mk.pixelcnn_mask((3, 3))), 3, np.float32)
     for split in (1, 2, 3, 7):
-        cfg = config.Config(16, 16, 16, split=split)
+        cfg = config.Launch(16, 16, 16, split=split)
         chunk, splits = ops._dw_chunk(p, cfg)
         assert chunk % cfg.block_k == 0
         assert (splits - 1) * chunk < p.n * p.oh * p.ow <= splits * chunk

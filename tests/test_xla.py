@@ -207,5 +207,5 @@ def test_blocked_extra_memory_is_less_than_x(strategy, which):
 def test_xla_config_validates_every_field():
     for bad in ({"forward": "winograd"}, {"weight_grad": "auto "}, {"block_bytes": 0}, {"block_bytes": True},
                 {"block_bytes": 2.5}):
-        with pytest.raises(ValueError, match=f"XlaConfig.{next(iter(bad))}"):
+        with pytest.raises(ValueError, match=f"Config.{next(iter(bad))}"):
             XlaConfig(**bad)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from maskconv_kernels.api import masked_conv
+from maskconv_kernels.ops.masked_conv import masked_conv
 from maskconv_kernels.masks import Mask, as_mask
 
 __all__ = ["static_mask", "conv", "kernel_size_tuple"]

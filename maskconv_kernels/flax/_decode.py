@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from maskconv_kernels import decode
+from maskconv_kernels.ops.masked_conv import decode
 from maskconv_kernels.masks import Mask
 
 __all__ = ["decode_spec", "init_spec", "cache_shape", "unit_of", "step"]

@@ -26,7 +26,7 @@ from flax.linen.linear import PaddingLike, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
 from maskconv_kernels.flax import _conv, _decode, _short_conv
-from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 
 __all__ = ["Conv", "MaskedConv", "ShortConv"]
 

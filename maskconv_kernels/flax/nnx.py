@@ -22,7 +22,7 @@ from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
 from maskconv_kernels.flax import _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
-from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 
 __all__ = ["Conv", "MaskedConv", "ShortConv"]
 

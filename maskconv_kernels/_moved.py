@@ -1,0 +1,73 @@
+"""The import paths of modules that moved when each op became a package, kept working.
+
+``import maskconv_kernels.pallas`` (or ``from maskconv_kernels.spec import make_spec``)
+finds the module at its new path, by a finder installed when the package is imported:
+one table here instead of a shim file per old module. The old path names the same
+module object, so its functions and classes are the new ones.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+
+__all__ = ["MOVED", "install"]
+
+_PACKAGE = __name__.rpartition(".")[0]
+
+# old module (below the package) -> new module
+MOVED = {
+    "api": "ops.masked_conv.api",
+    "backends": "ops.masked_conv.backends",
+    "core": "ops.masked_conv.maps",
+    "spec": "ops.masked_conv.spec",
+    "problem": "ops.masked_conv.problem",
+    "layout": "ops.masked_conv.layout",
+    "reference": "ops.masked_conv.reference",
+    "decode": "ops.masked_conv.decode",
+    "xla": "ops.masked_conv.xla",
+    "xla_blocks": "ops.masked_conv.xla.blocks",
+    "depthwise": "ops.masked_conv.xla.depthwise",
+    "pallas": "ops.masked_conv.pallas_triton",
+    "triton": "ops.masked_conv.triton",
+    "mosaic_gpu": "ops.masked_conv.pallas_mosaic_gpu",
+    "short_conv": "ops.causal_conv1d",
+    "short_conv_kernels": "ops.causal_conv1d.pallas_triton",
+    "spatial": "parallel",
+    "sharding": "_core.partitioning",
+    "hardware": "_core.hardware",
+}
+
+
+def _target(fullname: str) -> str | None:
+    """The new name of ``fullname`` when it is, or lies below, a moved module."""
+    prefix = _PACKAGE + "."
+    if not fullname.startswith(prefix):
+        return None
+    rest = fullname[len(prefix):]
+    for old, new in MOVED.items():
+        if rest == old or rest.startswith(old + "."):
+            return f"{prefix}{new}{rest[len(old):]}"
+    return None
+
+
+class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        new = _target(fullname)
+        if new is None:
+            return None
+        module = importlib.import_module(new)
+        is_package = hasattr(module, "__path__")
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=is_package)
+
+    def create_module(self, spec):
+        return importlib.import_module(_target(spec.name))
+
+    def exec_module(self, module):
+        pass  # already executed under its new name
+
+
+def install() -> None:
+    if not any(isinstance(f, _Alias) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Alias())

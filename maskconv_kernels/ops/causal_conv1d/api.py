@@ -1,0 +1,87 @@
+"""Short causal convolutions of sequence models, in the field's terms: :func:`causal_conv1d`.
+
+Mamba / Mamba-2, gated DeltaNet, Hyena, LFM2 and RWKV-style token shifts run a
+depthwise causal 1-D convolution of width 2 to 4 over ``(B, L, D)`` activations, trained
+on packed documents (``segment_ids``) and served from a state of the last inputs. This
+is Dao-AILab's ``causal_conv1d_fn`` (``seq_idx``, ``initial_states``,
+``return_final_states``, bias and SiLU) channels-last in JAX (its own layout is
+:mod:`maskconv_kernels.compat`'s), with the library's contract: a position never reads a
+later one, nor (with ``segment_ids``) one of another document: selected, never
+multiplied, so the gradient across documents is exactly 0.0 and a NaN in one document
+changes no other's output.
+"""
+from __future__ import annotations
+
+import jax
+
+from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
+from .checks import make_problem
+from .state import final_state
+
+__all__ = ["causal_conv1d", "IMPLEMENTATIONS", "PREFERENCE"]
+
+
+def causal_conv1d(
+    x: jax.typing.ArrayLike,
+    weight: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    segment_ids: jax.typing.ArrayLike | None = None,
+    initial_state: jax.typing.ArrayLike | None = None,
+    return_final_state: bool = False,
+    activation: str | None = None,
+    dilation: int = 1,
+    implementation: str | None = None,
+    interpret: bool = False,
+    config=None,
+):
+    """Depthwise causal 1-D convolution: ``y[b, l, d] = act(bias[d] + sum_t weight[t, d] * x[b, l - (W-1-t) * dilation, d])``.
+
+    Args:
+      x: ``(B, L, D)``, channels-last; float32, bfloat16 or float16.
+      weight: ``(W, D)``; its dtype may be wider than x's (Mamba keeps float32 weights
+        for bfloat16 activations).
+      bias: ``(D,)`` or ``None``.
+      segment_ids: ``(B, L)`` integers or ``None``: packed documents. No tap crosses a
+        document boundary; negative ids mark padding, whose outputs are zero and which
+        receives no gradient.
+      initial_state: ``(B, (W - 1) * dilation, D)`` in x's dtype, the inputs before
+        ``x[:, 0]`` (zeros when ``None``); differentiable. With ``segment_ids`` it belongs
+        to each row's first document.
+      return_final_state: also return the state after ``x``: its last ``(W - 1) *
+        dilation`` inputs (the initial state's too, if ``x`` is shorter), in x's dtype;
+        with ``segment_ids``, those of each row's last document (zeros before its start
+        and in an all-padding row).
+      activation: ``None`` or ``"silu"`` (``"swish"``).
+      dilation: the taps' spacing.
+      implementation: ``None`` (``"xla"``) or one of :data:`IMPLEMENTATIONS`: ``"xla"``
+        (``masked_conv``'s depthwise maps, every platform) or ``"pallas_triton"`` (fused
+        kernels: bias, SiLU and selects in one pass; NVIDIA GPUs, or any platform with
+        ``interpret=True``). Both are differentiable to any order, forward and reverse.
+      interpret: run a kernel implementation in its interpreter (any platform, slowly).
+      config: the named implementation's ``Config``, or ``None`` for its heuristic.
+
+    Returns:
+      ``y``: ``(B, L, D)`` in x's dtype, accumulated in float32 (bias and activation
+      applied in float32, rounded once), or ``(y, final_state)``.
+
+    Raises:
+      ValueError, TypeError: bad arguments (the message names the argument).
+      NotImplementedError: the named implementation does not take this problem, or cannot
+        be lowered for the platform.
+    """
+    if not isinstance(interpret, bool):
+        raise TypeError(f"causal_conv1d: interpret must be True or False, got {interpret!r}")
+    problem, x, weight, bias, ids, initial_state = make_problem(
+        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation,
+    )
+    if implementation is None:
+        if config is not None:
+            raise ValueError("causal_conv1d: config= is the config of one implementation: name it with implementation=")
+        chosen = REGISTRY.get(PREFERENCE[0])
+    else:
+        chosen = REGISTRY.check(implementation, problem, interpret, config)
+    y = chosen.load().forward(x, weight, bias, ids, initial_state, problem=problem, config=config, interpret=interpret)
+    if not return_final_state:
+        return y
+    return y, final_state(x, initial_state, ids, problem.state_len)

@@ -1,0 +1,31 @@
+"""``causal_conv1d``'s implementations table.
+
+* ``"xla"``: :mod:`.xla`, ``masked_conv``'s depthwise maps (every platform, every order
+  of derivative);
+* ``"pallas_triton"``: :mod:`.pallas_triton`, fused Pallas kernels lowered through
+  Triton (NVIDIA GPUs, or any platform with ``interpret=True``).
+
+``implementation=None`` runs ``"xla"`` until the fused kernels have been timed on a GPU.
+An implementation module supplies ``Config``, ``unsupported(problem, platform, interpret)``
+and ``forward(x, weight, bias, segment_ids, initial_state, *, problem, config, interpret)``.
+"""
+from __future__ import annotations
+
+from ..._core.primitives import PALLAS_TRITON_DEPRECATION
+from ..._core.registry import BATCH, NATIVE, Implementation, Registry
+
+__all__ = ["REGISTRY", "IMPLEMENTATIONS", "PREFERENCE"]
+
+_PACKAGE = __name__.rpartition(".")[0]
+
+REGISTRY = Registry(
+    "causal_conv1d",
+    (
+        Implementation("xla", f"{_PACKAGE}.xla", spmd=NATIVE),
+        Implementation("pallas_triton", f"{_PACKAGE}.pallas_triton", spmd=BATCH,
+                       lowering_warnings=(PALLAS_TRITON_DEPRECATION,)),
+    ),
+    ("xla",),
+)
+IMPLEMENTATIONS = REGISTRY.names
+PREFERENCE = REGISTRY.preference

@@ -1,0 +1,84 @@
+"""``causal_conv1d``'s ``pallas_triton`` config: tiles, frozen and validated, and their heuristic."""
+from __future__ import annotations
+
+import dataclasses
+
+from ...._core.args import is_int
+from ...._core.tiling import next_pow2, reduction_splits
+
+__all__ = ["Config", "BlockSizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles of the fused kernels: the forward's, and the backward's (the input, weight and
+    bias gradients; the state's gradient too).
+
+    Attributes:
+      block_positions, backward_block_positions: positions per tile (a power of two, 16
+        to 1024). Each tap reloads the tile shifted by up to ``(W-1) * dilation``
+        positions; those reloads hit the cache, so HBM sees each element once plus the
+        halo, ``(W-1) * dilation / block_positions`` of it.
+      block_channels, backward_block_channels: channels per tile (a power of two, 16 to
+        1024): contiguous, so each position's load is whole 16-byte vectors.
+      num_warps, backward_num_warps: warps per program (1, 2, 4, 8 or 16).
+      backward_splits: the most ranges the backward splits each channel block's position
+        tiles into (each one program, its weight-gradient partial sum added in a fixed
+        order afterwards); ``None``: enough programs to fill every SM four times.
+
+    The defaults, from ptxas at sm_90a (bfloat16 and float32, width 4, SiLU, segment ids
+    and a state): the forward at 32 x 128 and 4 warps holds 32 values of a tile per
+    thread (88 to 154 registers, no spills; 64 x 128 needs 235 to 255); the backward
+    keeps ``2W - 1`` input tiles and ``W`` cotangent tiles live, and ptxas gives it all
+    255 registers at any tile: 16 x 64 at 2 warps (16 values a thread) spills nothing,
+    32 x 128 at 4 warps spills 1.4 KB.
+    """
+
+    block_positions: int = 32
+    block_channels: int = 128
+    num_warps: int = 4
+    backward_block_positions: int = 16
+    backward_block_channels: int = 64
+    backward_num_warps: int = 2
+    backward_splits: int | None = None
+
+    def __post_init__(self):
+        for field in ("block_positions", "block_channels", "backward_block_positions", "backward_block_channels"):
+            value = getattr(self, field)
+            if not is_int(value) or not 16 <= value <= 1024 or value & (value - 1):
+                raise ValueError(f"Config.{field} must be a power of two from 16 to 1024, got {value!r}")
+        for field in ("num_warps", "backward_num_warps"):
+            value = getattr(self, field)
+            if not is_int(value) or value not in (1, 2, 4, 8, 16):
+                raise ValueError(f"Config.{field} must be 1, 2, 4, 8 or 16, got {value!r}")
+        splits = self.backward_splits
+        if splits is not None and (not is_int(splits) or splits < 1):
+            raise ValueError(f"Config.backward_splits must be None or a positive int, got {splits!r}")
+
+    @classmethod
+    def get_default(cls, length: int, dim: int) -> Config:
+        """The defaults (see the class), smaller where the sequence or the channels are."""
+        fit = lambda n, most: min(most, max(16, next_pow2(n)))  # noqa: E731
+        return cls(
+            block_positions=fit(length, 32), block_channels=fit(dim, 128),
+            backward_block_positions=fit(length, 16), backward_block_channels=fit(dim, 64),
+        )
+
+    def tile(self, backward: bool) -> tuple[int, int, int]:
+        """``(positions, channels, warps)`` of the forward's or the backward's tiles."""
+        if backward:
+            return self.backward_block_positions, self.backward_block_channels, self.backward_num_warps
+        return self.block_positions, self.block_channels, self.num_warps
+
+    def splits(self, channel_blocks: int, position_tiles: int) -> int:
+        """Position ranges per channel block in the backward: ``channel_blocks * splits``
+        programs fill every SM four times (or ``backward_splits`` caps them), none empty.
+
+        Four: the backward holds 255 registers a thread, so four 2-warp programs fit an
+        SM's 64K registers; each walks its tiles in order, and more of them keep more
+        loads in flight. The partial sums, ``splits * (W + 1) * D`` float32, are small.
+        """
+        return reduction_splits(channel_blocks, position_tiles, waves=4, min_steps=1, most=self.backward_splits)
+
+
+BlockSizes = Config  # its name before every backend's config was Config

@@ -1,0 +1,202 @@
+"""Serving: :func:`causal_conv1d_update`, new tokens of each row from its slot of a state pool.
+
+One or several new tokens per row from a pool of states ``(S, state_len, D)``
+(``state_indices`` choose each row's slot for continuous batching, :data:`PAD_SLOT_ID`
+rows touch nothing; linear or, with ``cache_seqlens``, circular states), in place under
+``jax.jit`` with donation. Each step is :func:`~.api.causal_conv1d` on the slot's window.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .api import causal_conv1d
+from ..._core.args import as_operand
+from .checks import check_activation, check_operands
+
+__all__ = ["causal_conv1d_update", "PAD_SLOT_ID"]
+
+# causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
+PAD_SLOT_ID = -1
+
+
+def causal_conv1d_update(
+    x: jax.typing.ArrayLike,
+    conv_state: jax.typing.ArrayLike,
+    weight: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    activation: str | None = None,
+    dilation: int = 1,
+    state_indices: jax.typing.ArrayLike | None = None,
+    cache_seqlens: jax.typing.ArrayLike | None = None,
+    has_initial_state: jax.typing.ArrayLike | None = None,
+    implementation: str | None = None,
+    interpret: bool = False,
+):
+    """New tokens of each row from its slot of a state pool: ``(y, new_conv_state)``.
+
+    causal-conv1d's ``causal_conv1d_update`` (``cache_seqlens``, ``conv_state_indices``)
+    channels-last, functional, with several tokens per call. Row ``b`` reads and rewrites
+    slot ``state_indices[b]`` of the pool and no other; its outputs are those
+    :func:`causal_conv1d` gives for its tokens after the inputs the slot holds, computed
+    by :func:`causal_conv1d` itself (``initial_state``: the slot's last
+    ``(W - 1) * dilation`` inputs), so that decoding a sequence step by step from an
+    empty slot gives the full forward's outputs bit for bit wherever XLA compiles the
+    two programs' arithmetic alike. (It need not: LLVM may contract a product and an add
+    into one FMA, choosing per program, and vector and scalar code may evaluate SiLU
+    differently; the README's *Serving* section says where this was seen.)
+
+    Under ``jax.jit(..., donate_argnums=1)`` the pool is updated in place: one gather of
+    the rows' slots, one scatter of them back, no copy of the pool.
+
+    Args:
+      x: ``(B, T, D)``, or ``(B, D)`` for one token; float32, bfloat16 or float16.
+      conv_state: the pool, ``(S, state_len, D)`` in x's dtype, ``state_len >= (W - 1) *
+        dilation``. Linear (``cache_seqlens=None``): a slot holds the last ``state_len``
+        inputs of its sequence, oldest first (Mamba keeps ``state_len = W``). Circular
+        (``cache_seqlens`` given): input ``p`` of a sequence lives at ``p % state_len``.
+      weight, bias, activation, dilation, implementation, interpret: as in :func:`causal_conv1d`.
+      state_indices: ``(B,)`` signed integers or ``None`` (row ``b`` uses slot ``b``; then
+        ``S == B``). :data:`PAD_SLOT_ID` (-1) marks a row that holds no request: its
+        outputs are zeros and it reads and writes nothing. Concrete indices are checked
+        (in ``[0, S)`` or -1, and no slot twice); traced ones cannot be, so a traced index
+        outside ``[0, S)`` other than -1 writes nothing and reads NaN (its outputs are
+        NaN, so the error shows, unless ``has_initial_state`` is false there), as jax's
+        ``mode="fill"`` gathers and ``mode="drop"`` scatters do, and two rows naming one
+        slot write it in an unspecified order.
+      cache_seqlens: ``(B,)`` integers or ``None``: how many inputs each row's sequence
+        had before ``x`` (circular mode). The window before ``x`` is read at positions
+        ``(cache_seqlens - (W - 1) * dilation ... cache_seqlens - 1) % state_len``; the
+        tokens are written at ``(cache_seqlens + t) % state_len`` (the last ``state_len``
+        of them if ``T > state_len``). The caller advances it by ``T``.
+      has_initial_state: ``(B,)`` bools or ``None`` (all true): where false, the row
+        starts a new sequence: its slot's old content is never read (selected away, so
+        a NaN in it cannot reach the outputs) and is replaced as if it had been zeros.
+
+    Returns:
+      ``y`` shaped like ``x`` in x's dtype (accumulated in float32, as
+      :func:`causal_conv1d`), and the new pool (same shape and dtype as ``conv_state``).
+    """
+    check_activation(activation)
+    x, weight = as_operand("x", x), as_operand("weight", weight)
+    conv_state = as_operand("conv_state", conv_state)
+    bias = None if bias is None else as_operand("bias", bias)
+    if x.ndim not in (2, 3):
+        raise ValueError(f"causal_conv1d_update: x must be (B, T, D), or (B, D) for one token, got shape {tuple(x.shape)}")
+    one_token = x.ndim == 2
+    xt = x[:, None] if one_token else x
+    _, d, window = check_operands(xt, weight, bias, dilation)
+    batch, tokens = xt.shape[:2]
+    slots, state_len = _check_pool(conv_state, window, d, x.dtype, batch if state_indices is None else None)
+    indices = None if state_indices is None else _check_state_indices(state_indices, batch, slots)
+    if cache_seqlens is not None:
+        cache_seqlens = _check_row_values("cache_seqlens", cache_seqlens, batch, "iu")
+        if state_len == 0:
+            raise ValueError("cache_seqlens (a circular state) needs conv_state with state_len >= 1, got 0")
+    if has_initial_state is not None:
+        has_initial_state = _check_row_values("has_initial_state", has_initial_state, batch, "b")
+
+    if indices is None:
+        rows = conv_state
+    else:
+        indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))  # room for `slots` below
+        inside = (indices >= 0) & (indices < slots)
+        rows = jnp.take(conv_state, jnp.clip(indices, 0, slots - 1), axis=0)
+        rows = jnp.where(inside[:, None, None], rows, jnp.full((), jnp.nan, rows.dtype))
+    if has_initial_state is not None:
+        rows = jnp.where(has_initial_state[:, None, None], rows, jnp.zeros((), rows.dtype))
+    if cache_seqlens is None:
+        before = rows[:, state_len - window :]
+        new_rows = jnp.concatenate([rows, xt], axis=1)[:, tokens:]
+    else:
+        seqlens = cache_seqlens.astype(jnp.int32)[:, None]
+        before = jnp.take_along_axis(rows, ((seqlens + jnp.arange(-window, 0)) % state_len)[..., None], axis=1)
+        kept = min(tokens, state_len)  # a longer x overwrites its own first tokens
+        written = (seqlens + jnp.arange(tokens - kept, tokens)) % state_len
+        new_rows = jax.vmap(lambda row, at, values: row.at[at].set(values))(rows, written, xt[:, tokens - kept :])
+    y = causal_conv1d(
+        xt, weight, bias, initial_state=before, activation=activation, dilation=dilation,
+        implementation=implementation, interpret=interpret,
+    )
+    if indices is None:
+        new_state = new_rows
+    else:
+        y = jnp.where((indices == PAD_SLOT_ID)[:, None, None], jnp.zeros((), y.dtype), y)
+        # Rows without a slot (padding, out of range) write nowhere: index `slots` is dropped.
+        new_state = conv_state.at[jnp.where(inside, indices, slots)].set(new_rows, mode="drop")
+    return (y[:, 0] if one_token else y), new_state
+
+
+def _is_traced(value) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
+def _check_pool(conv_state, window: int, d: int, dtype, batch: int | None):
+    """Checks the pool: ``(S, state_len >= window, D)`` in ``dtype``, ``S == batch`` unless ``None``.
+
+    Returns ``(S, state_len)``.
+    """
+    shape = tuple(conv_state.shape)
+    if len(shape) != 3 or shape[2] != d or shape[1] < window:
+        raise ValueError(
+            f"conv_state must be (S, state_len, D) with state_len >= (W - 1) * dilation = {window} and D = {d}, "
+            f"got {shape}"
+        )
+    if batch is not None and shape[0] != batch:
+        raise ValueError(
+            f"conv_state has {shape[0]} slots but x has {batch} rows: without state_indices row b uses slot b, "
+            "so they must be equal; pass state_indices (B,) to choose each row's slot in a larger pool"
+        )
+    if np.dtype(conv_state.dtype) != np.dtype(dtype):
+        raise TypeError(
+            f"conv_state must have x's dtype {np.dtype(dtype)}, got {np.dtype(conv_state.dtype)}: it holds past "
+            "inputs, so allocate it in the dtype of the inputs"
+        )
+    return shape[0], shape[1]
+
+
+def _check_row_values(name: str, value, batch: int, kinds: str):
+    """One value per row: ``(B,)`` of a dtype kind in ``kinds`` (``"iu"`` integers, ``"b"`` bools)."""
+    if not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
+        value = jnp.asarray(value)
+    dtype = np.dtype(value.dtype)
+    if dtype.kind not in kinds:
+        what = "integers" if kinds == "iu" else "bools"
+        raise TypeError(f"{name} must hold {what}, one per row of x, got dtype {dtype}")
+    if tuple(value.shape) != (batch,):
+        raise ValueError(f"{name} must have shape (B,) = ({batch},), one per row of x, got {tuple(value.shape)}")
+    if kinds == "iu" and not _is_traced(value) and (np.asarray(value) < 0).any():
+        raise ValueError(f"{name} must be non-negative, got {np.asarray(value).tolist()}")
+    return value
+
+
+def _check_state_indices(state_indices, batch: int, slots: int):
+    """``(B,)`` integers; concrete ones in ``[0, slots)`` or :data:`PAD_SLOT_ID`, no slot twice."""
+    if not isinstance(state_indices, (jax.Array, jax.ShapeDtypeStruct)):
+        state_indices = jnp.asarray(state_indices)
+    dtype = np.dtype(state_indices.dtype)
+    if dtype.kind != "i":
+        raise TypeError(
+            f"state_indices must hold signed integers (a slot of conv_state per row, {PAD_SLOT_ID} for none), "
+            f"got dtype {dtype}"
+        )
+    if tuple(state_indices.shape) != (batch,):
+        raise ValueError(
+            f"state_indices must have shape (B,) = ({batch},), one per row of x, got {tuple(state_indices.shape)}"
+        )
+    if _is_traced(state_indices):
+        return state_indices
+    values = np.asarray(state_indices).astype(np.int64)
+    bad = values[(values != PAD_SLOT_ID) & ((values < 0) | (values >= slots))]
+    if bad.size:
+        raise ValueError(
+            f"state_indices must be slots of conv_state, in [0, {slots}), or {PAD_SLOT_ID} for a row without a "
+            f"request; got {sorted(set(bad.tolist()))}"
+        )
+    used = values[values != PAD_SLOT_ID]
+    if np.unique(used).size != used.size:
+        twice = sorted({int(v) for v in used if (used == v).sum() > 1})
+        raise ValueError(f"state_indices names slots {twice} for several rows: each row needs its own slot")
+    return state_indices

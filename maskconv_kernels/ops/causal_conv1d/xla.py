@@ -1,0 +1,50 @@
+"""``causal_conv1d``'s ``xla`` implementation: ``masked_conv``'s depthwise maps.
+
+The convolution is :func:`~maskconv_kernels.masked_conv` with ``feature_group_count=D``
+and ``padding="CAUSAL"``, whose ``xla`` backend computes a depthwise problem as shifted
+products (no im2col, no batched dot) and selects across segments; so it inherits the
+contract and derivatives of every order. An initial state is the input before position
+0; the outputs at its own positions are dropped. Bias and SiLU are applied in float32.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..masked_conv import masked_conv
+from ..masked_conv.xla import Config
+from .checks import Problem
+
+__all__ = ["Config", "unsupported", "forward"]
+
+
+def unsupported(problem: Problem, platform: str | None, interpret: bool = False) -> str | None:
+    """Every problem, on every platform."""
+    return None
+
+
+def forward(x, weight, bias, segment_ids, initial_state, *, problem: Problem, config: Config | None = None,
+            interpret: bool = False):
+    """``y (B, L, D)`` in x's dtype: float32 accumulation, bias and activation in float32, rounded once."""
+    del interpret  # nothing to interpret
+    ids, xe, ide = segment_ids, x, segment_ids
+    state_len, length = problem.state_len, problem.length
+    if initial_state is not None and state_len:
+        # The state is the input before position 0, of the row's first document.
+        xe = jnp.concatenate([initial_state, x], axis=1)
+        if ids is not None:
+            ide = jnp.concatenate([jnp.broadcast_to(ids[:, :1], (ids.shape[0], state_len)), ids], axis=1)
+    acc = jnp.promote_types(jnp.float32, jnp.promote_types(x.dtype, weight.dtype))
+    y = masked_conv(
+        xe, weight[:, None, :], np.ones(problem.width, bool), padding="CAUSAL", dilation=problem.dilation,
+        feature_group_count=problem.dim, preferred_element_type=acc, implementation="xla", segment_ids=ide,
+        config=config,
+    )[:, xe.shape[1] - length:]
+    if bias is not None:
+        y = y + bias.astype(acc)
+    if problem.silu:
+        y = jax.nn.silu(y)
+    if ids is not None:
+        y = jnp.where((ids >= 0)[..., None], y, jnp.zeros((), y.dtype))  # bias and activation included
+    return y.astype(x.dtype)

@@ -1,0 +1,145 @@
+"""The public entry point: :func:`masked_conv`, its validation and the choice of backend.
+
+Backends are records in :mod:`.backends`; the three linear maps every backend computes,
+with their derivatives, batching and per-platform lowering, are :mod:`.maps`. ``implementation=None`` chooses a backend per platform
+*when the function is lowered* (the first of ``PREFERENCE`` that supports the problem
+there; ``"xla"`` supports everything), so one exported artifact can hold the ``xla`` path
+for CPU and the GPU kernels for cuda.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from ..._core.args import as_operand, as_segment_ids
+from . import backends as _backends
+from . import maps
+from .backends import IMPLEMENTATIONS, PREFERENCE
+from .spec import make_spec
+
+__all__ = ["masked_conv", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
+
+# Old names, accepted with a DeprecationWarning.
+_RENAMED = {"pallas": "pallas_triton"}
+
+
+def implementation_for(spec, platform: str | None = None, interpret: bool = False) -> str:
+    """The backend ``implementation=None`` lowers ``spec`` with for ``platform`` (default: jax's).
+
+    ``platform``: a lowering platform (``"cpu"``, ``"cuda"``, ...) or jax's ``"gpu"``.
+    """
+    return _backends.choose(spec, _backends.lowering_platform(platform), interpret).name
+
+
+def masked_conv(
+    x: jax.typing.ArrayLike,
+    kernel: jax.typing.ArrayLike,
+    mask,
+    *,
+    strides=1,
+    padding="SAME",
+    dilation=1,
+    lhs_dilation=1,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    dimension_numbers=None,
+    precision=None,
+    preferred_element_type=None,
+    implementation: str | None = None,
+    interpret: bool = False,
+    config=None,
+    segment_ids: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    """Exact masked convolution: masked taps are never read.
+
+    Args:
+      x: ``(N, *spatial, C_in)`` with 1, 2 or 3 spatial dims (or the order
+        ``dimension_numbers`` gives); float32, bfloat16 or float16 (float64 with
+        ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays, nested lists)
+        are converted as ``jnp.asarray`` would.
+      kernel: ``(*window, C_in // feature_group_count, C_out)`` (or the order
+        ``dimension_numbers`` gives). Its dtype may differ from ``x``'s (bfloat16
+        activations with float32 weights): products are taken in the wider dtype (widening
+        is exact), the output has ``x``'s dtype and each gradient its operand's.
+      mask: static bools or 0/1 of shape ``window`` (one bit per tap; the kernel's spatial
+        dims in the kernel's order) or the kernel's shape (channel-partial taps). Must not
+        be traced.
+      strides: int or one int per spatial dim.
+      padding: ``"SAME"``, ``"SAME_LOWER"``, ``"VALID"``, ``"CAUSAL"`` (1-D only, as in
+        flax: output t sees inputs up to t) or one ``(lo, hi)`` pair per spatial dim. Pairs
+        apply to the dilated input; strings need ``lhs_dilation=1``, as in lax.
+      dilation: kernel dilation (lax's ``rhs_dilation``), int or one int per spatial dim.
+      lhs_dilation: input dilation, int or one int per spatial dim: ``d - 1`` zeros
+        between input pixels, so a transposed convolution (computed on the dilated input,
+        the zeros included).
+      feature_group_count, batch_group_count: as in ``lax.conv_general_dilated`` (at most
+        one above 1); the output has ``N // batch_group_count`` examples.
+      dimension_numbers: ``None`` (channels-last, as above; lax's ``None`` is NCHW/OIHW),
+        a ``lax.ConvDimensionNumbers``, or three strings as lax takes them, e.g.
+        ``("NCHW", "OIHW", "NCHW")``. The backends compute channels-last; other layouts are
+        transposed in and out (:mod:`maskconv_kernels.layout`).
+      precision: ``lax.Precision`` (or its name) for the products; ``"highest"`` gives
+        IEEE float32 products on GPUs (no TF32).
+      preferred_element_type: output dtype; defaults to ``x.dtype``. Accumulation is in
+        float32 for every input dtype narrower than that.
+      implementation: ``None`` (per platform, when lowered: the first backend of
+        ``PREFERENCE`` that supports the problem there) or one of ``IMPLEMENTATIONS``.
+      interpret: run kernel backends in interpret mode (for tests on CPU).
+      config: the named implementation's frozen ``Config`` (its module's, e.g.
+        ``maskconv_kernels.ops.masked_conv.pallas_triton.Config``), or ``None`` for its
+        heuristic.
+      segment_ids: ``None``, or integers of x's shape without its channels (``(N,
+        *spatial)`` channels-last; traced values welcome): packed documents. A tap reads
+        input ``q`` for output ``p`` only where ``segment_ids[q] == segment_ids[p]``; a
+        negative id marks padding, whose outputs are zero and which receives no gradient.
+        Selected, never multiplied, so no value (NaN included) crosses a segment boundary.
+        Needs an output on the input's grid (stride 1, a size-preserving padding, no input
+        dilation or batch groups).
+
+    Returns:
+      ``(N // batch_group_count, *out_spatial, C_out)``, in the order ``dimension_numbers``
+      gives; zero-size where the window does not fit, as in lax. For finite inputs it
+      equals ``lax.conv_general_dilated(x, kernel * mask, ...)`` up to rounding. Always: outputs do
+      not depend on inputs reachable only through masked taps (or in another segment),
+      whose gradient is exactly 0.0, and the gradient of masked kernel entries is exactly 0.0.
+
+    Raises:
+      ValueError, TypeError: bad arguments (the message names the argument).
+      NotImplementedError: the requested implementation does not support this problem
+        (when called), or cannot run on a platform the function is lowered for (when
+        lowered; e.g. a GPU backend lowered for CPU without ``interpret=True``).
+    """
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be True or False, got {interpret!r}")
+    x, kernel = as_operand("x", x), as_operand("kernel", kernel)
+    spec = make_spec(
+        x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
+        feature_group_count=feature_group_count, precision=precision,
+        preferred_element_type=preferred_element_type, lhs_dilation=lhs_dilation,
+        dimension_numbers=dimension_numbers, batch_group_count=batch_group_count, segmented=segment_ids is not None,
+    )
+    layout = spec.layout
+    if segment_ids is not None:
+        segment_ids = layout.segment_ids(as_segment_ids(segment_ids, layout.segment_ids_shape(x.shape)))
+    backend = None
+    if implementation is not None:
+        if implementation in _RENAMED:
+            warnings.warn(
+                f'implementation="{implementation}" is now "{_RENAMED[implementation]}"', DeprecationWarning, stacklevel=2
+            )
+            implementation = _RENAMED[implementation]
+        # The problem alone here; the platform when the function is lowered.
+        backend = _backends.REGISTRY.check(implementation, spec, interpret, config)
+    elif config is not None:
+        raise ValueError("config= is the config of one backend: name it with implementation=")
+    x, kernel = layout.x(x), layout.kernel(kernel)
+    if 0 in spec.out_spatial:
+        # The window does not fit (VALID, say): lax's zero-size output, nothing read, and
+        # zero-size gradients, since the zeros do not depend on x or the kernel.
+        return layout.output(jnp.zeros((x.shape[0], *spec.out_spatial, spec.c_out), spec.out_dtype))
+    y = maps.masked_conv(
+        x, kernel, spec.channels_last(), backend=backend, interpret=interpret, config=config, segment_ids=segment_ids
+    )
+    return layout.output(y)
