@@ -1,0 +1,315 @@
+"""The ``pallas_triton`` backend's own tests: GPU lowering on CPU, its limits, its config, channel tiles.
+
+The shared suites (agreement, exactness, transforms) already run the kernels through the
+``pallas_triton_interpret`` backend of ``conftest.py``; these cover what they cannot.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.lowering import cuda_lowering, with_ttir_passes
+from support.numerics import assert_close, random
+
+import maskconv_kernels as mk
+from maskconv_kernels import core, masked_conv_reference, pallas
+from maskconv_kernels.api import implementation_for
+from maskconv_kernels.pallas import BlockSizes
+from maskconv_kernels.hardware import COMPUTE_CAPABILITY
+from maskconv_kernels.problem import kernel_problem
+from maskconv_kernels.reference import masked_conv_reference_vjp
+from maskconv_kernels.spec import make_spec
+
+KERNEL_NAMES = ("maskconv_fwd", "maskconv_bwd_input", "maskconv_bwd_weight")
+
+
+def _lower_for_cuda(f, *args) -> str:
+    """StableHLO text of ``jax.jit(f)`` lowered for an NVIDIA GPU, on a machine without one."""
+    with cuda_lowering():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+LOWERING_CASES = {
+    "2d_N2_H16_W16_C64_k7A_bf16": ((2, 16, 16, 64), (7, 7, 64, 64), mk.pixelcnn_mask((7, 7), "A"), {}, jnp.bfloat16),
+    "2d_N1_H9_W10_C3_k3B_s2_d2_f32": ((1, 9, 10, 3), (3, 3, 3, 5), mk.pixelcnn_mask((3, 3), "B"),
+                                     dict(strides=2, dilation=2, precision="highest"), jnp.float32),
+    "2d_N1_H7_W7_C6_k3_rgbA_full": ((1, 7, 7, 6), (3, 3, 6, 6), mk.channel_grouped_mask((3, 3), 6, 6, "A"), {},
+                                    jnp.float32),
+    "1d_N2_L33_C130_k3_CAUSAL_d2_f16": ((2, 33, 130), (3, 130, 130), np.ones(3), dict(padding="CAUSAL", dilation=2),
+                                        jnp.float16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_value_and_grad_lowers_for_cuda_to_three_kernels_and_no_convolution(name):
+    x_shape, k_shape, mask, kw, dtype = LOWERING_CASES[name]
+    x = jnp.zeros(x_shape, dtype)
+    k = jnp.zeros(k_shape, dtype)
+
+    def loss(x, k):
+        return mk.masked_conv(x, k, mask, implementation="pallas_triton", **kw).astype(jnp.float32).sum()
+
+    text = _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
+    calls = re.findall(r"stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(", text)
+    assert len(calls) >= 3, f"expected the three Pallas kernels as Triton calls, found {len(calls)}"
+    for kernel in KERNEL_NAMES:
+        assert kernel in text, f"kernel {kernel} missing from the lowered module"
+    assert "stablehlo.convolution" not in text
+
+
+def _kernel_jaxprs_of(spec, dtype, platform="cuda") -> dict:
+    """``{pallas_call name: kernel jaxpr}`` of the three kernels as the core lowers them for ``platform``."""
+    job = core.Job(spec, kernel_problem(spec), None, False, platform, np.dtype(dtype))
+    p, n = job.problem, 2
+    x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
+    y = jax.ShapeDtypeStruct(p.y_shape(n), spec.out_dtype)
+    k = jax.ShapeDtypeStruct(p.kernel_shape(), dtype)
+    found = {}
+    for fn, args in ((pallas.forward, (x, k)), (pallas.input_grad, (y, k)), (pallas.weight_grad, (x, y))):
+        found.update(_kernel_jaxprs(jax.make_jaxpr(lambda a, b: fn(a, b, job, np.dtype(dtype)))(*args).jaxpr))
+    return found
+
+
+def test_highest_precision_reaches_the_kernel_dots():
+    x, k = random(0, (1, 5, 6, 3)), random(1, (3, 3, 3, 4))
+    mask = mk.pixelcnn_mask((3, 3), "B")
+    jaxprs = lambda precision: " ".join(map(str, _kernel_jaxprs_of(make_spec(x, k, mask, precision=precision),
+                                                                    np.float32).values()))
+    assert "HIGHEST" in jaxprs("highest")
+    assert "HIGHEST" not in jaxprs(None)  # TF32 on GPUs: Triton's default for float32 dots
+
+
+def _kernel_jaxprs(jaxpr) -> dict:
+    """``{pallas_call name: kernel jaxpr}`` of every ``pallas_call`` in ``jaxpr``, however nested."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found[eqn.params["name"]] = eqn.params["jaxpr"]
+        for sub in _sub_jaxprs(eqn):
+            found.update(_kernel_jaxprs(sub))
+    return found
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def _count(jaxpr, primitive: str) -> int:
+    return sum((eqn.primitive.name == primitive) + sum(_count(s, primitive) for s in _sub_jaxprs(eqn))
+               for eqn in jaxpr.eqns)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [mk.pixelcnn_mask((7, 7), "A"), np.array([[1, 0, 1, 0, 1], [0, 1, 0, 1, 0], [1, 0, 0, 0, 0]], bool)],
+    ids=["7x7A_raster_run", "5x3_scattered"],
+)
+def test_kernel_code_does_not_grow_with_the_taps(mask):
+    """One dot per kernel, in one loop over (active tap, channel block): 24 taps, not 24 copies.
+
+    Unrolled per tap, the 7x7 type-A kernels took 7-10 s each to compile for sm_90, and
+    the first H200 check spent its whole time limit compiling
+    (benchmarks/results/h200-2026-11-30-first-run).
+    """
+    x = jax.ShapeDtypeStruct((2, 16, 16, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((*mask.shape, 64, 64), jnp.bfloat16)
+    kernels = _kernel_jaxprs_of(make_spec(x, k, mask), jnp.bfloat16)
+    assert set(kernels) == set(KERNEL_NAMES)
+    for name, kernel in kernels.items():
+        assert _count(kernel, "dot_general") == 1, name
+
+
+@pytest.mark.parametrize("window, mask_type", [((7, 7), "A"), ((3, 3), "B")])
+def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeypatch, tmp_path):
+    """bf16, N=64, 32x32, C=256: every kernel's loads are pipelined ``cp.async`` feeding ``wgmma``.
+
+    The Triton IR that jax's Pallas lowering hands to XLA, captured and compiled for
+    sm_90 by the ``triton`` package with the stages a kernel goes through at run time:
+    Triton's own TTIR passes (``make_ttir``: inliner, canonicalizer, combine, CSE, loop
+    unrolling; what XLA's Triton pipeline runs first), then TTGIR, LLVM IR and PTX. A
+    file of IR alone would skip the TTIR passes (Triton takes a ``.ttir`` file as already
+    through them), and that build differs from the one that runs: it keeps a separate
+    accumulator and waits after every ``wgmma``. It guards what a small change can
+    silently lose: clamping the channel index once turned the x and dy gathers into
+    scalar loads with no pipelining (benchmarks/results/h200-2026-11-30-first-run).
+    """
+    triton = pytest.importorskip("triton", reason="compiling the Pallas kernels' Triton IR needs triton")
+    from jax._src.pallas.triton import lowering  # the one place jax exposes the Triton module it lowers to
+    from triton.backends.compiler import GPUTarget
+
+    modules = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        modules.append(result.module.operation.get_asm())
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    x = jnp.zeros((64, 32, 32, 256), jnp.bfloat16)
+    k = jnp.zeros((*window, 256, 256), jnp.bfloat16)
+    mask = mk.pixelcnn_mask(window, mask_type)
+    spec = make_spec(x, k, mask)
+    loss = lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton").astype(jnp.float32).sum()
+    _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
+    assert len(modules) == 3, len(modules)
+    blocks = BlockSizes.get_default(spec, jnp.bfloat16)
+    # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
+    if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
+        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", with_ttir_passes)
+    else:  # older triton: wrap the backend's stages, and compile afresh (its cache key does not see this)
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        add_stages = CUDABackend.add_stages
+
+        def with_passes(self, stages, options, *rest):
+            add_stages(self, stages, options, *rest)
+            with_ttir_passes(self, stages, options, None, self._parse_arch(options.arch))
+
+        monkeypatch.setattr(CUDABackend, "add_stages", with_passes)
+        monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
+    for i, module in enumerate(modules):
+        path = tmp_path / f"kernel{i}.ttir"
+        path.write_text(module)
+        # Fusion as XLA compiles Pallas kernels (on), stated: triton 3.9 warns when unset.
+        options = dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages, enable_fp_fusion=True)
+        ptx = triton.compile(str(path), target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=options).asm["ptx"]
+        assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
+        assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
+        assert "wgmma.mma_async" in ptx, f"kernel {i}: no Hopper warp-group MMA"
+        # What the TTIR passes give (and a .ttir file compiled without them lacks): the
+        # accumulate fused into the wgmma, and one wgmma group kept in flight.
+        assert "add.f32" not in ptx, f"kernel {i}: the accumulator is added separately from the wgmma"
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"kernel {i}: every wgmma is waited for at once"
+
+
+_SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
+TILE_CASES = {
+    # 2 * 12 * 11 output pixels in blocks of 16 are 17 reduction blocks: the weight
+    # gradient splits them into two ranges, whose partial sums are added afterwards.
+    "2d_N2_H12_W11_C40_k3A_tiles16": ((2, 12, 11, 40), 37, mk.pixelcnn_mask((3, 3), "A"), {}, _SMALL_TILES),
+    "2d_N2_H12_W11_C40_k3A_s21_d12_explicit_tiles16": (
+        (2, 12, 11, 40), 37, mk.pixelcnn_mask((3, 3), "A"),
+        dict(strides=(2, 1), dilation=(1, 2), padding=((2, 0), (1, 3))), _SMALL_TILES,
+    ),
+    # C=130 with the default tiles: a remainder of 2 channels in the last tile.
+    "1d_N1_L11_C130_k3_CAUSAL_d2_default": ((1, 11, 130), 130, np.ones(3, bool), dict(padding="CAUSAL", dilation=2),
+                                            None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TILE_CASES))
+def test_several_channel_and_pixel_tiles(name):
+    """Channel counts over the tile size, with a remainder: the reduction loops take several trips."""
+    x_shape, c_out, mask, kw, blocks = TILE_CASES[name]
+    c_in = x_shape[-1]
+    x = random(2, x_shape)
+    k = random(3, (*mask.shape, c_in, c_out), scale=1 / np.sqrt(mask.size * c_in))
+    conv = lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True, config=blocks, **kw)
+    y, vjp = jax.vjp(conv, x, k)
+    reduction = int(mask.sum()) * c_in
+    scale = float(jnp.abs(x).max() * jnp.abs(k).max())
+    assert_close(y, masked_conv_reference(x, k, mask, **kw), np.float32, reduction, scale)
+    dy = random(4, y.shape)
+    dx, dk = vjp(dy)
+    rdx, rdk = masked_conv_reference_vjp(x, k, mask, dy, **kw)
+    assert_close(dx, rdx, np.float32, int(mask.sum()) * c_out, float(jnp.abs(dy).max() * jnp.abs(k).max()))
+    assert_close(dk, rdk, np.float32, int(np.prod(y.shape[:-1])), float(jnp.abs(dy).max() * jnp.abs(x).max()))
+    assert (np.asarray(dk)[~mask] == 0.0).all()
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize(
+    "x_shape,k_shape,kw,expected",
+    [
+        ((1, 4, 5, 5, 2), (3, 3, 3, 2, 2), {}, "3-D convolutions"),
+        ((1, 6, 6, 4), (3, 3, 2, 4), dict(feature_group_count=2), "feature_group_count=2"),
+    ],
+    ids=["3d", "groups2"],
+)
+def test_unsupported_problems_raise_naming_why_and_none_falls_back_to_xla(x_shape, k_shape, kw, expected):
+    x, k = jnp.ones(x_shape), jnp.ones(k_shape)
+    mask = np.ones(k_shape[:-2], bool)
+    with pytest.raises(NotImplementedError, match=re.escape(expected)):
+        mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True, **kw)
+    spec = make_spec(x, k, mask, **kw)
+    assert implementation_for(spec, interpret=True) == "xla"
+    assert implementation_for(spec, platform="gpu") == "xla"
+
+
+def test_needs_a_gpu_or_interpret_mode():
+    x, k, mask = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
+    spec = make_spec(x, k, mask)
+    assert "interpret=True" in pallas.unsupported(spec, "cpu", interpret=False)
+    assert pallas.unsupported(spec, "cpu", interpret=True) is None
+    assert pallas.unsupported(spec, "cuda", interpret=False) is None
+    assert "ROCm" in pallas.unsupported(spec, "rocm", interpret=False)
+    # implementation=None: Pallas where it runs, xla elsewhere.
+    assert implementation_for(spec, platform="cpu") == "xla"
+    assert implementation_for(spec, platform="cuda") == "pallas_triton"
+    assert implementation_for(spec, platform="cpu", interpret=True) == "pallas_triton"
+    # Named, it traces anywhere and refuses only when lowered for a platform it cannot run on.
+    f = jax.jit(lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton"))
+    with pytest.raises(NotImplementedError, match='lowered for platform "cpu".*interpret=True'):
+        f.trace(x, k).lower(lowering_platforms=("cpu",))
+
+
+def test_old_name_pallas_still_works_with_a_deprecation_warning():
+    x, k, mask = random(0, (1, 4, 4, 2)), random(1, (3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
+    with pytest.warns(DeprecationWarning, match='"pallas_triton"'):
+        y = mk.masked_conv(x, k, mask, implementation="pallas", interpret=True)
+    np.testing.assert_array_equal(y, mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True))
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("block_pixels", 48, "power of two"),
+        ("block_c_in", 8, "from 16"),
+        ("block_c_out", 1024, "to 512"),
+        ("block_pixels_reduce", 64.0, "must be an int"),
+        ("num_warps", 3, "num_warps"),
+        ("num_stages", 0, "num_stages"),
+    ],
+)
+def test_block_sizes_are_validated(field, value, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        BlockSizes(**{field: value})
+
+
+def test_block_sizes_are_frozen_and_hashable():
+    blocks = BlockSizes()
+    with pytest.raises(AttributeError):
+        blocks.block_pixels = 32  # type: ignore[misc]
+    assert hash(blocks) == hash(BlockSizes())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("c", [1, 3, 130, 256])
+def test_default_block_sizes_fit_the_problem(c, dtype):
+    x, k = jnp.ones((1, 8, 8, c), dtype), jnp.ones((3, 3, c, c), dtype)
+    blocks = BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), dtype)
+    assert blocks == BlockSizes(**vars(blocks))  # a valid config
+    assert blocks.block_c_in <= max(16, 2 * c) and blocks.block_c_out <= max(16, 2 * c)
+
+
+def test_block_sizes_must_be_a_config():
+    x, k = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2))
+    with pytest.raises(TypeError, match=r"pallas_triton\.config\.Config"):
+        mk.masked_conv(x, k, np.ones((3, 3)), implementation="pallas_triton", interpret=True,
+                       config={"block_pixels": 32})
+    with pytest.raises(ValueError, match="implementation="):
+        mk.masked_conv(x, k, np.ones((3, 3)), config=BlockSizes())

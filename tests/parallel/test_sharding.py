@@ -1,0 +1,260 @@
+"""masked_conv on a device mesh: data parallel for every backend, spatial sharding for "xla".
+
+The checks need 8 devices: in an ordinary run, ``test_on_8_forced_cpu_devices`` runs
+this same file in a fresh interpreter with 8 forced CPU devices
+(``conftest.run_on_forced_cpu_devices``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.mesh import N_DEVICES, has_mesh_already, needs_mesh, run_on_forced_cpu_devices
+from support.numerics import assert_close, assert_second_order_close, random, second_order
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import maskconv_kernels as mk
+from maskconv_kernels import backends, core, spatial
+from maskconv_kernels.reference import masked_conv_reference
+from maskconv_kernels.spec import make_spec
+
+
+
+@has_mesh_already
+def test_on_8_forced_cpu_devices():
+    run_on_forced_cpu_devices(__file__)
+
+
+# --------------------------------------------------------------------------- data parallel
+
+BATCH = 16  # 2 examples per device; no other dim of the test arrays is 16.
+M_A = mk.pixelcnn_mask((3, 3), "A")
+
+
+# The "xla" backend as a kernel backend's record would have it: lowered through the
+# batch-partitioning wrapper (custom_partitioning) the kernel backends get.
+_XLA_AS_KERNEL = dataclasses.replace(backends.BACKENDS["xla"], spmd=backends.BATCH)
+
+
+def _through_the_wrapper(x, kernel, mask, **kw):
+    """The "xla" backend routed through the kernel-backend wrapper (custom_partitioning)."""
+    return core.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), backend=_XLA_AS_KERNEL)
+
+
+def _backend(name):
+    if name == "xla-as-kernel":
+        return _through_the_wrapper
+    return lambda x, k, m, **kw: mk.masked_conv(x, k, m, implementation=name, interpret=True, **kw)
+
+
+def _runs_on_cpu(name) -> bool:
+    spec = make_spec(np.zeros((BATCH, 7, 5, 3), np.float32), np.zeros((3, 3, 3, 4), np.float32), M_A)
+    return backends.get(name).unsupported(spec, "cpu", True) is None
+
+
+# Every registered backend that runs on CPUs (interpret mode for kernel backends), plus
+# "xla" through the wrapper the kernel backends get. Interpreters that are host callbacks
+# (Triton's) are not partitioned at all (backends.Backend.host_interpret says why).
+DATA_PARALLEL = [
+    name for name in sorted(mk.IMPLEMENTATIONS) if _runs_on_cpu(name) and backends.get(name).interpreter is None
+] + ["xla-as-kernel"]
+
+
+def _mesh(shape, names, axis_type):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+
+
+def _hlo(fn, *args) -> str:
+    return fn.lower(*args).compile().as_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device_cached():
+    # One device, exact pure-JAX backend (kernel backends agree with it in test_agreement).
+    x, k = random(0, (BATCH, 7, 5, 3)), random(1, (3, 3, 3, 4))
+    single = lambda x, k: mk.masked_conv(x, k, M_A, implementation="xla")
+    y, (dx, dk) = jax.jit(single)(x, k), jax.jit(jax.grad(lambda x, k: jnp.sum(jnp.sin(single(x, k))), (0, 1)))(x, k)
+    return y, dx, dk
+
+
+def _one_device(x, k):
+    np.testing.assert_array_equal(x, random(0, (BATCH, 7, 5, 3)))
+    return _one_device_cached()
+
+
+# Auto: NamedSharding inputs, no mesh in context (the partitioner decides); Explicit:
+# sharding in types (jax.make_mesh's default). The wrapper's own Explicit path is needed
+# by kernel backends only (xla-as-kernel passes either way), so it is not run twice.
+CASES = [(n, t) for n in DATA_PARALLEL for t in (AxisType.Auto, AxisType.Explicit) if (n, t.name) != ("xla-as-kernel", "Explicit")]
+
+
+@needs_mesh
+@pytest.mark.parametrize("name, axis_type", CASES, ids=[f"{n}-{t.name}" for n, t in CASES])
+def test_data_parallel_stays_sharded_and_matches_one_device(name, axis_type):
+    conv = _backend(name)
+    mesh = _mesh((N_DEVICES,), ("data",), axis_type)
+    x, k = random(0, (BATCH, 7, 5, 3)), random(1, (3, 3, 3, 4))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    ks = jax.device_put(k, NamedSharding(mesh, P()))
+    loss = lambda conv: (lambda x, k: jnp.sum(jnp.sin(conv(x, k, M_A))))
+    # Compiled once: the values and the HLO checked below come from the same program.
+    forward = jax.jit(lambda x, k: conv(x, k, M_A)).lower(xs, ks).compile()
+    gradients = jax.jit(jax.grad(loss(conv), (0, 1))).lower(xs, ks).compile()
+
+    y, (dx, dk) = forward(xs, ks), gradients(xs, ks)
+    batch = NamedSharding(mesh, P("data"))
+    assert y.sharding.is_equivalent_to(batch, y.ndim), y.sharding
+    assert dx.sharding.is_equivalent_to(batch, dx.ndim), dx.sharding
+    assert dk.sharding.is_fully_replicated, dk.sharding
+
+    y1, dx1, dk1 = _one_device(x, k)
+    taps = len(M_A.nonzero()[0])
+    assert_close(y, y1, np.float32, reduction=taps * 3, scale=float(abs(x).max() * abs(k).max()))
+    assert_close(dx, dx1, np.float32, reduction=taps * 4, scale=float(abs(k).max()))
+    assert_close(dk, dk1, np.float32, reduction=y1.size // 4, scale=float(abs(x).max()))
+
+    for compiled in (forward, gradients):
+        text = compiled.as_text()
+        assert "all-gather" not in text, f"{name}: the compiled program gathers:\n{text}"
+        # No device ever holds the whole batch of inputs or outputs.
+        assert not re.search(rf"f32\[{BATCH},7,5,[34]\]", text), f"{name}: a device holds the whole batch:\n{text}"
+    # The kernel gradient is the sum over devices of each device's examples.
+    assert "all-reduce" in gradients.as_text()
+
+
+@needs_mesh
+def test_wrapper_vmap_and_second_derivatives_on_a_mesh():
+    mesh = _mesh((N_DEVICES,), ("data",), AxisType.Auto)
+    x, k = random(2, (N_DEVICES, 4, 5, 3)), random(3, (3, 3, 3, 4))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    # vmap over examples of examples (folded into one partitioned call) and over kernels.
+    folded = jax.jit(jax.vmap(lambda x: _through_the_wrapper(x, k, M_A)))(jnp.stack([xs, 2 * xs]))
+    reduction, scale = int(M_A.sum()) * 3, float(abs(x).max() * abs(k).max())
+    assert_close(folded[1], masked_conv_reference(2 * x, k, M_A), np.float32, reduction, 2 * scale)
+    per_kernel = jax.jit(jax.vmap(lambda k: _through_the_wrapper(xs, k, M_A)))(jnp.stack([k, -k]))
+    assert_close(per_kernel[1], masked_conv_reference(x, -k, M_A), np.float32, reduction, scale)
+    assert_second_order_close(jax.jit(lambda k: second_order(_through_the_wrapper, xs, k, M_A))(k), x, k, M_A)
+
+
+# --------------------------------------------------------------------------- spatial
+
+SPATIAL = {
+    # A causal mask: the halo comes from above only.
+    "pixelcnnA_3x3": (mk.pixelcnn_mask((3, 3), "A"), (4, 16, 6, 3), {}),
+    # Every tap: halos from both sides; stride 2 in both dims.
+    "full_3x3_stride2": (np.ones((3, 3), bool), (4, 16, 6, 3), {"strides": 2}),
+    # 1-D causal sequence, dilated: a 2-row halo from above.
+    "causal_k3_dil2": (mk.causal_mask(3), (4, 16, 3), {"dilation": 2}),
+}
+
+
+def _spatial(mesh, mask, **kw):
+    return lambda x, k: spatial.spatially_sharded_masked_conv(
+        x, k, mask, mesh=mesh, axis_name="h", batch_axis="b", implementation="xla", **kw
+    )
+
+
+@needs_mesh
+@pytest.mark.parametrize("case", sorted(SPATIAL))
+def test_spatial_sharding_matches_one_device(case):
+    mask, shape, kw = SPATIAL[case]
+    mesh = _mesh((4, 2), ("h", "b"), AxisType.Explicit)
+    x, k = random(4, shape), random(5, (*mask.shape, 3, 4))
+    sharded, single = _spatial(mesh, mask, **kw), lambda x, k: mk.masked_conv(x, k, mask, implementation="xla", **kw)
+    loss = lambda f: (lambda x, k: jnp.sum(jnp.sin(f(x, k))))
+    y, (dx, dk) = jax.jit(sharded)(x, k), jax.jit(jax.grad(loss(sharded), (0, 1)))(x, k)
+    y1, (dx1, dk1) = jax.jit(single)(x, k), jax.jit(jax.grad(loss(single), (0, 1)))(x, k)
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("b", "h")), y.ndim), y.sharding
+    reduction = int(mask.sum()) * 3
+    assert_close(y, y1, np.float32, reduction, scale=float(abs(x).max() * abs(k).max()))
+    assert_close(dx, dx1, np.float32, reduction, scale=float(abs(k).max()))
+    assert_close(dk, dk1, np.float32, y1.size // 4, scale=float(abs(x).max()))
+
+
+def _permute_pairs(text: str) -> set[tuple[int, int]]:
+    pairs = set()
+    for group in re.findall(r"source_target_pairs=\{(.*?)\}\}", text):
+        pairs |= {(int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", group)}
+    return pairs
+
+
+@needs_mesh
+def test_spatial_halo_is_exact_nan_below_a_border_never_reaches_rows_above():
+    # 8 shards of 2 rows; type-B PixelCNN mask: output row r reads rows r-1 and r only.
+    mask = mk.pixelcnn_mask((3, 3), "B")
+    mesh = _mesh((N_DEVICES,), ("h",), AxisType.Auto)
+    conv = lambda x, k: spatial.spatially_sharded_masked_conv(x, k, mask, mesh=mesh, axis_name="h")
+    x, k = random(6, (2, 16, 5, 3)), random(7, (3, 3, 3, 4))
+    forward = jax.jit(conv)
+    clean = np.asarray(forward(x, k))
+    np.testing.assert_array_equal(np.isfinite(clean), True)
+
+    # The loss on the rows above a border, with the border a traced value (one compile).
+    def loss(x, k, border):
+        y = conv(x, k)
+        above = jnp.arange(y.shape[1])[None, :, None, None] < border
+        return jnp.sum(jnp.where(above, y, 0.0) ** 2)
+
+    grad_x = jax.jit(jax.grad(loss))
+    for border in range(2, 16, 2):
+        poisoned = x.at[:, border:].set(jnp.nan)
+        y = np.asarray(forward(poisoned, k))
+        # Bit-identical above the border, in every shard (not only the one next to it).
+        np.testing.assert_array_equal(y[:, :border], clean[:, :border], err_msg=f"border at row {border}")
+        # Backward: exactly zero gradient below the border, bit-identical above it. (The
+        # kernel gradient is NaN, as on one device: it multiplies the poisoned inputs by
+        # their zero cotangents.)
+        dx, dx_clean = np.asarray(grad_x(poisoned, k, border)), np.asarray(grad_x(x, k, border))
+        assert (dx[:, border:] == 0).all(), f"border at row {border}"
+        np.testing.assert_array_equal(dx[:, :border], dx_clean[:, :border], err_msg=f"border at row {border}")
+    # Causal: halos only travel downwards (device i to i + 1), forward and backward of the
+    # forward (the backward's transpose sends gradients back up, which is allowed).
+    text = _hlo(forward, x, k)
+    pairs = _permute_pairs(text)
+    assert pairs and all(b == a + 1 for a, b in pairs), pairs
+    assert "all-gather" not in text
+
+
+@needs_mesh
+def test_spatial_sharding_limits_are_reported():
+    mesh = _mesh((N_DEVICES,), ("h",), AxisType.Explicit)
+    k = random(8, (3, 3, 3, 4))
+    full = np.ones((3, 3), bool)
+    def call(x, axis_name="h", **kw):
+        return spatial.spatially_sharded_masked_conv(x, k, full, mesh=mesh, axis_name=axis_name, **kw)
+
+    with pytest.raises(ValueError, match="multiple of 8 shards"):
+        call(random(9, (1, 12, 4, 3)))
+    with pytest.raises(ValueError, match="padding='SAME'"):
+        call(random(9, (1, 16, 4, 3)), padding="VALID")
+    with pytest.raises(ValueError, match="use at most 5 shards"):
+        # 2 rows per shard, a 7-row window needs 3 from each side.
+        spatial.spatially_sharded_masked_conv(
+            random(9, (1, 16, 4, 3)), random(8, (7, 3, 3, 4)), np.ones((7, 3)), mesh=mesh, axis_name="h"
+        )
+    with pytest.raises(ValueError, match="not an axis"):
+        call(random(9, (1, 16, 4, 3)), axis_name="rows")
+
+
+@needs_mesh
+def test_export_for_cuda_works_in_a_process_with_several_devices():
+    """Kernel lowerings are partitioned where devices are known; an export has none to partition over."""
+    from support.lowering import cuda_lowering
+    from jax import export
+
+    x, k = random(0, (2, 8, 8, 16)), random(1, (3, 3, 16, 16), scale=0.1)
+    f = jax.jit(jax.value_and_grad(lambda x, k: mk.masked_conv(x, k, M_A).sum(), (0, 1)))
+    with cuda_lowering():
+        exported = export.export(
+            f, platforms=("cpu", "cuda"), disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        )(x, k)
+    assert 'name = "maskconv_fwd"' in exported.mlir_module()
+    # The loss sums every output: a float32 sum of all active products, against float64.
+    y64 = masked_conv_reference(x, k, M_A)
+    scale = float(jnp.abs(x).max() * jnp.abs(k).max())
+    assert_close(exported.call(x, k)[0], y64.sum(), np.float32, y64.size * int(M_A.sum()) * 16, scale)
