@@ -37,6 +37,7 @@ MOVED = {
     "spatial": "parallel",
     "sharding": "_core.partitioning",
     "hardware": "_core.hardware",
+    "audit.audit": "audit",
 }
 
 
