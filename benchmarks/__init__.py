@@ -1,6 +1,6 @@
-"""Benchmarks of maskconv_kernels against ``lax.conv_general_dilated(x, kernel * mask)``.
+"""The project's own GPU tools, on top of the installed benchmarks (``python -m maskconv_kernels.bench``).
 
-``shapes`` holds the real-model shapes (shared with ``tests/test_benchmark_shapes.py``),
-``run`` times them, ``chart`` draws the speed-up chart, ``seed`` reproduces the two
-experiments of the original gradient-leak report. See ``benchmarks/README.md``.
+``gpu_check.sh`` is the one-command check of a lent GPU; ``tune`` sweeps the kernels' tiles
+per kernel; ``predict_mgpu`` predicts the Mosaic GPU kernels' times; ``mgpu_cubin`` and
+``short_conv_sm90`` compile kernels for sm_90a without a GPU. See ``benchmarks/README.md``.
 """

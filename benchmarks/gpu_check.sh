@@ -6,12 +6,12 @@
 # Stages, each under its own timeout so that one slow stage cannot eat the others:
 #   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
 #   2. the benchmark grid against cuDNN, most important cells first, with a
-#      time budget (python -m benchmarks.run --preset gpu; no chart: it is
-#      redrawn from the rows with python -m benchmarks.chart)               -> <gpu>.jsonl/.md
+#      time budget (python -m maskconv_kernels.bench conv --preset gpu; no
+#      chart: render redraws it from the rows)                              -> <gpu>.jsonl/.md
 #   3. causal_conv1d's fused Pallas kernels beside the XLA shift-and-add and
 #      cuDNN's depthwise convolution at Mamba-2/GDN shapes, each with the HBM
-#      roofline (python -m benchmarks.sequence)                              -> short_conv.jsonl
-#   4. the seed report's two experiments, lax.conv/cuDNN beside masked_conv
+#      roofline (python -m maskconv_kernels.bench sequence)                 -> short_conv.jsonl
+#   4. the leak report's experiments, lax.conv/cuDNN beside masked_conv
 #      (python -m maskconv_kernels)                                         -> leak_report.json
 #   5. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
@@ -96,18 +96,18 @@ TAG=$(echo "${GPU_NAME:-cpu}" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9\n' '-
 stage "2. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
 # shellcheck disable=SC2086
 # stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
-timeout "$BENCH_TIMEOUT" "$PYTHON" -m benchmarks.run --preset gpu --time-budget "$BENCH_BUDGET" \
-  --no-chart --out "$OUT/$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
+timeout "$BENCH_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench conv --preset gpu --time-budget "$BENCH_BUDGET" \
+  --no-chart --out "$OUT" --name "$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
 STATUS[bench]=${PIPESTATUS[0]}
 
 stage "3. causal_conv1d's fused kernels, the shift-and-add and cuDNN depthwise (budget ${SHORT_CONV_BUDGET}s, limit ${SHORT_CONV_TIMEOUT}s)"
 # Its table is printed again in the summary.
-timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m benchmarks.sequence --preset gpu --budget "$SHORT_CONV_BUDGET" \
-  --no-chart --out "$OUT/short_conv" | tail -3
+timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench sequence --preset gpu \
+  --time-budget "$SHORT_CONV_BUDGET" --no-chart --out "$OUT" --name short_conv | tail -3
 STATUS[short_conv]=${PIPESTATUS[0]}
 rm -f "$OUT/short_conv.md"  # its table is in the log (the summary); the device returns 8 files at most
 
-stage "4. the seed's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+stage "4. the leak report's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
 timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
 STATUS[leak_report]=$?
 
@@ -122,7 +122,7 @@ PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 # checks on CPU. Mosaic GPU's own suite goes first: it has never run compiled, and the
 # whole list did not finish in the first run's limit. Missing files are dropped (pytest
 # would stop at a path that does not exist).
-PYTEST_PATHS=${PYTEST_PATHS:-tests/test_mosaic_gpu.py tests/test_agreement.py tests/test_exactness.py tests/test_transforms.py tests/test_pallas.py tests/test_triton.py tests/test_dispatch.py tests/test_short_conv_kernel.py}
+PYTEST_PATHS=${PYTEST_PATHS:-tests/masked_conv/test_pallas_mosaic_gpu.py tests/masked_conv/test_agreement.py tests/masked_conv/test_exactness.py tests/masked_conv/test_transforms.py tests/masked_conv/test_pallas_triton.py tests/masked_conv/test_triton.py tests/masked_conv/test_dispatch.py tests/causal_conv1d/test_causal_conv1d_pallas_triton.py}
 PYTEST_PATHS=$(for f in $PYTEST_PATHS; do [ -e "$f" ] && echo "$f"; done | tr '\n' ' ')
 [ -n "$PYTEST_K" ] && PYTEST_ARGS+=(-k "$PYTEST_K")
 # shellcheck disable=SC2086
@@ -137,16 +137,16 @@ STATUS[tune]=$?
 stage "7. summary"
 # Re-rendered from the rows written so far, so an interrupted grid still gets its table.
 if [ -s "$OUT/$TAG.jsonl" ]; then
-  timeout 60 "$PYTHON" -m benchmarks.run --render "$OUT/$TAG.jsonl" --no-chart | sed -n '/^## Summary/,$p'
+  timeout 60 "$PYTHON" -m maskconv_kernels.bench render "$OUT/$TAG.jsonl" | sed -n '/^## Summary/,$p'
 else
   echo "no benchmark rows"
 fi
 if [ -s "$OUT/short_conv.jsonl" ]; then
-  echo; echo "causal_conv1d (python -m benchmarks.sequence):"
-  timeout 60 "$PYTHON" -m benchmarks.sequence --no-chart --render "$OUT/short_conv.jsonl"
+  echo; echo "causal_conv1d (python -m maskconv_kernels.bench sequence):"
+  timeout 60 "$PYTHON" -m maskconv_kernels.bench render "$OUT/short_conv.jsonl"
 fi
 if [ -s "$OUT/leak_report.json" ]; then
-  echo; echo "Seed experiments (python -m maskconv_kernels):"
+  echo; echo "The leak report's experiments (python -m maskconv_kernels):"
   "$PYTHON" - "$OUT/leak_report.json" <<'EOF' || echo "(leak_report.json not in the expected format)"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -155,8 +155,9 @@ labels = list(ex)
 print(r.get("device", ""), "| masked_conv implementation:", r.get("implementation"))
 print("| check | " + " | ".join(labels) + " |")
 print("|---|" + "---:|" * len(labels))
+titles = {k: e["title"] for k, e in r.get("experiments", {}).items()}
 for check in ex[labels[0]]:
-    print(f"| {check} | " + " | ".join(f"{ex[l][check]:.3g}" for l in labels) + " |")
+    print(f"| {titles.get(check, check)} | " + " | ".join(f"{ex[l][check]:.3g}" for l in labels) + " |")
 EOF
 fi
 if [ -s "$OUT/tune.json" ]; then

@@ -39,14 +39,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maskconv_kernels.hardware import SM_COUNT
-from maskconv_kernels.mosaic_gpu import Tiles, grid
-from maskconv_kernels.mosaic_gpu.config import stages, weight_grad_splits
-from maskconv_kernels.mosaic_gpu.kernels import weight_grad_chunk
-from maskconv_kernels.problem import kernel_problem
-from maskconv_kernels.spec import make_spec
-
-from .shapes import BAR_SHAPES
+from maskconv_kernels._core.hardware import SM_COUNT
+from maskconv_kernels.bench.shapes import HEADLINE_SHAPES
+from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Tiles, grid
+from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.config import stages, weight_grad_splits
+from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.kernels import weight_grad_chunk
+from maskconv_kernels.ops.masked_conv.problem import kernel_problem
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 PEAK = 720e12  # bf16 FLOP/s, 8192^3 matmul on the H200 (NOTES.md)
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each block also reserves 1 KiB
@@ -231,7 +230,7 @@ def main(argv=None) -> int:
           f"tile; copies at {a.copy_tbs} TB/s; cuDNN at {a.cudnn_efficiency:.0%} of 720 TFLOP/s")
     for title, ws in (("default Tiles (warp_specialized=True)", True), ("warp_specialized=False", False)):
         rows = []
-        for s in BAR_SHAPES:
+        for s in HEADLINE_SHAPES:
             x = jax.ShapeDtypeStruct(s.x_shape(s.batch), jnp.bfloat16)
             k = jax.ShapeDtypeStruct(s.kernel_shape, jnp.bfloat16)
             t = Tiles.get_default(make_spec(x, k, s.mask, **s.conv_args), jnp.bfloat16)

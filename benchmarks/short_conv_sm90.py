@@ -31,8 +31,8 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from mgpu_cubin import H200_TARGET_CONFIG  # noqa: E402
 
-from maskconv_kernels.short_conv import causal_conv1d  # noqa: E402
-from maskconv_kernels.short_conv_kernels import KERNELS  # noqa: E402
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d  # noqa: E402
+from maskconv_kernels.ops.causal_conv1d.pallas_triton import KERNELS  # noqa: E402
 
 
 def compile_for_h200(batch: int, length: int, dim: int, width: int, dtype) -> str:

@@ -2,9 +2,9 @@
 
     python -m benchmarks.tune --out benchmarks/results/gpu-check/tune.json
 
-Where ``benchmarks.run`` times whole training steps, this splits one step into its three
-GEMMs so that a slow step can be traced to its kernel, and sweeps the Pallas block
-sizes (``maskconv_kernels.pallas.BlockSizes``) per kernel, since the heuristic has only
+Where ``python -m maskconv_kernels.bench`` times whole training steps, this splits one step
+into its three GEMMs so that a slow step can be traced to its kernel, and sweeps the Pallas
+block sizes (``pallas_triton.Config``) per kernel, since the heuristic has only
 ever been chosen, not measured. For each shape and dtype it times:
 
 * ``baseline``: cuDNN's forward, input gradient (``vjp`` in ``x`` only) and weight
@@ -46,13 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends
-from maskconv_kernels.mosaic_gpu import Tiles
-from maskconv_kernels.pallas import BlockSizes
-from maskconv_kernels.spec import make_spec
-
-from .run import DTYPES, metadata
-from .shapes import BAR_SHAPES, BenchShape
+from maskconv_kernels.bench.machine import metadata
+from maskconv_kernels.bench.shapes import HEADLINE_SHAPES, BenchShape
+from maskconv_kernels.bench.timing import DTYPES
+from maskconv_kernels.ops.masked_conv import backends
+from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Tiles
+from maskconv_kernels.ops.masked_conv.pallas_triton import BlockSizes
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 KINDS = ("fwd", "dx", "dw")
 
@@ -278,7 +278,7 @@ def triton_autotune(shape: BenchShape, spec, batch: int, dtype, args, deadline: 
     then its pick under this timer. The autotuner runs on a GPU only (never interpreted)."""
     x, k, dy = args
     try:
-        from maskconv_kernels.triton import Configs, ops as triton_ops
+        from maskconv_kernels.ops.masked_conv.triton import Configs, ops as triton_ops
 
         jax.jit(jax.value_and_grad(
             lambda x, k: mk.masked_conv(x, k, shape.mask, implementation="triton", **shape.conv_args)
@@ -383,9 +383,10 @@ def main(argv=None) -> int:
         print("benchmarks.tune times compiled GPU kernels; this machine has none", file=sys.stderr)
         return 1
     deadline = time.perf_counter() + args.budget
-    rows, meta = [], metadata("tune")
+    command = " ".join(["python -m benchmarks.tune", *(sys.argv[1:] if argv is None else argv)])
+    rows, meta = [], metadata("tune", command)
     for dtype_name in args.dtypes:
-        for shape in [s for s in BAR_SHAPES if args.shapes is None or re.search(args.shapes, s.name)]:
+        for shape in [s for s in HEADLINE_SHAPES if args.shapes is None or re.search(args.shapes, s.name)]:
             if time.perf_counter() > deadline:
                 break
             done = list(rows)

@@ -1,5 +1,5 @@
 """The CPU training step against ``lax.conv(kernel * mask)``, timed in one process: a
-regression check with a generous floor, not a benchmark (``benchmarks/roofline.py`` is).
+regression check with a generous floor, not a benchmark (``python -m maskconv_kernels.bench roofline`` is).
 
 The 3x3 type-B layer keeps 5 of 9 taps, so an exact kernel that skips the other 4 can be
 up to 1.8x faster than lax's convolution over all 9. Its forward+backward once fell to
@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +21,8 @@ import numpy as np
 import pytest
 
 import maskconv_kernels as mk
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
-
-from benchmarks.run import PRESETS, time_interleaved  # noqa: E402
+from maskconv_kernels.bench.conv import PRESETS
+from maskconv_kernels.bench.timing import time_interleaved
 
 FLOOR = 1.0
 

@@ -1,17 +1,15 @@
-"""The sequence benchmark (benchmarks/sequence.py) compares like with like, and its rows carry their metadata."""
+"""The sequence benchmark (maskconv_kernels.bench.sequence) compares like with like, and its rows carry their metadata."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from support.numerics import assert_close
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
-from benchmarks import sequence  # noqa: E402
+from maskconv_kernels.bench import sequence
+from maskconv_kernels.bench.__main__ import main
 
 
 def test_the_three_formulations_compute_the_same_function():
@@ -32,7 +30,8 @@ def test_the_three_formulations_compute_the_same_function():
 @pytest.mark.slow
 def test_a_cell_times_every_formulation_with_metadata(tmp_path):
     """The quick preset end to end (the fused kernels interpreted): rows, metadata, tables."""
-    assert sequence.main(["--preset", "quick", "--modes", "fwd+bwd", "--no-chart", "--out", str(tmp_path / "q")]) == 0
+    assert main(["sequence", "--preset", "quick", "--modes", "fwd+bwd", "--no-chart", "--out", str(tmp_path),
+                 "--name", "q"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
     assert {r["implementation"] for r in rows} == set(sequence.formulations("cpu", "quick"))
     for r in rows:

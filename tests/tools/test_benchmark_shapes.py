@@ -1,4 +1,4 @@
-"""Every benchmark shape (benchmarks/shapes.py, the roofline's too), checked for correctness at batch 1.
+"""Every benchmark shape (maskconv_kernels.bench.shapes, the roofline's too), checked for correctness at batch 1.
 
 The benchmarks time these real-model layers; this makes sure each implementation
 computes them right first. The reference is a float64 loop over active taps (one
@@ -8,20 +8,17 @@ matmul per tap, written here because the package's per-channel oracle is too slo
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from support.numerics import assert_close, random
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
-
-from benchmarks import roofline  # noqa: E402
-from benchmarks import run as bench  # noqa: E402
-from benchmarks.shapes import ROOFLINE_SHAPES, SHAPES, BenchShape  # noqa: E402
-from maskconv_kernels.spec import make_spec  # noqa: E402
+from maskconv_kernels.bench import conv as bench
+from maskconv_kernels.bench import roofline
+from maskconv_kernels.bench.machine import metadata
+from maskconv_kernels.bench.shapes import HEADLINE_SHAPES, ROOFLINE_SHAPES, SHAPES, BenchShape
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 
 def _tap_views(xp, spec):
@@ -81,7 +78,7 @@ def test_benchmark_shape_matches_float64(conv, shape: BenchShape):
     assert (np.asarray(dk)[~np.asarray(shape.mask, bool)] == 0.0).all()
 
 
-def test_shapes_cover_the_models_of_the_issue():
+def test_shapes_cover_the_models():
     names = [s.name for s in SHAPES]
     first = [s for s in SHAPES if s.window == (7, 7) and s.active_taps == 24]
     assert {s.c_in for s in first} >= {1, 3}, "PixelCNN type-A first layers with 1 and 3 input channels"
@@ -96,13 +93,14 @@ def test_shapes_cover_the_models_of_the_issue():
     assert {s.window for s in wavenet} == {(2,), (3,)}
     assert {s.c_in for s in wavenet} >= {64, 256}
     assert len(set(names)) == len(names)
+    assert {(s.window, s.spatial, s.c_in) for s in HEADLINE_SHAPES} == {((7, 7), (32, 32), 256), ((3, 3), (32, 32), 256)}
 
 
 def test_benchmark_cell_reports_exactness_and_metadata():
     """The runner on one tiny cell: every row carries metadata; exactness is measured, not assumed."""
     shape = BenchShape("tiny_3x3A", "pixelcnn", (9, 9), 4, 4, np.asarray(SHAPES[0].mask[2:5, 2:5]), 2, 2)
     preset = bench.PRESETS["quick"]
-    meta = bench.metadata("quick")
+    meta = metadata("quick", "test")
     rows = bench.run_cell(shape, "float32", "fwd+bwd", preset, meta, {"float32": 1e9}, jax.default_backend(), None)
     by_impl = {r["implementation"]: r for r in rows}
     assert "baseline" in by_impl and "xla" in by_impl
@@ -122,7 +120,7 @@ def test_roofline_rows_carry_rates_efficiencies_memory_and_metadata():
     """The roofline on one tiny shape: a row per map and strategy, each set against its GEMM."""
     shape = BenchShape("tiny_3x3B", "pixelcnn", (6, 6), 4, 4, np.asarray(ROOFLINE_SHAPES[2].mask), 2, 2)
     quick = dataclasses.replace(roofline.TIMING, samples=2, min_sample_s=0.0)
-    rows = roofline.measure_shape(shape, "float32", [1.0], bench.metadata("roofline"), quick)
+    rows = roofline.measure_shape(shape, "float32", [1.0], metadata("roofline", "test"), quick)
     maps = [r for r in rows if r["map"] in roofline.MAPS and r["strategy"] != "GEMM"]
     strategies = {r["strategy"] for r in maps}
     assert strategies == {*roofline.STRATEGIES, "gemm 1 MiB", "conv_blocks 1 MiB", roofline.LAX}

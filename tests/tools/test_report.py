@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -22,28 +23,66 @@ def test_leak_report_measures_exactness_and_prints_a_table(tmp_path):
         [sys.executable, "-m", "maskconv_kernels", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=600, check=True,
     )
-    assert "| gradient leak (seed 1) |" in proc.stdout
+    assert "| 1. gradient through masked taps |" in proc.stdout
     assert "| PixelCNN 7x7 type A" in proc.stdout
+    _assert_rows_explained(proc.stdout)
     # Progress on stderr: a first line before any measurement, then a line per stage with its time.
     lines = proc.stderr.splitlines()
     assert lines[0].startswith("maskconv-kernels leak report: measuring")
     stages = [line for line in lines if re.match(r"  \S.* \.\.\. \d+\.\d s$", line)]
-    assert len(stages) == 2 * len(report.EXACTNESS_CHECKS) + 2 * len(report.TIMING_SHAPES), proc.stderr
+    assert len(stages) == 2 * len(report.EXPERIMENTS) + 2 * len(report.TIMING_SHAPES), proc.stderr
     assert re.match(r"done in \d+ s", lines[-1])
     result = json.loads(out.read_text())
     ours = result["exactness"]["masked_conv"]
     assert all(v == 0 for v in ours.values()), ours
     # On every platform, inf in the future poisons the leaky baseline's past outputs.
-    assert result["exactness"]["lax.conv(kernel*mask)"]["non-finite outputs, inf in the future"] > 0
+    assert result["exactness"]["lax.conv(kernel*mask)"]["nan_isolation"] > 0
     # The model-level rows come from the causality audit: it sees the same poisoning in the stack.
-    assert result["exactness"]["lax.conv(kernel*mask)"]["6-layer stack pixels changed by NaN in the future (audit)"] > 0
+    assert result["exactness"]["lax.conv(kernel*mask)"]["stack_nan"] > 0
+    assert set(result["experiments"]) == set(ours) == {e.key for e in report.EXPERIMENTS}
     assert all(np.isfinite(v).all() for row in result["timings"] for k, v in row.items() if k != "shape")
 
 
-def test_gradient_leak_detects_a_leak():
-    # The measurement itself can fail: a conv that reads the masked row leaks.
+def _assert_rows_explained(text: str) -> None:
+    """Every row is defined on the screen: what it measures, its exact value, where the baseline leaks."""
+    explained = text.split("What each row measures:", 1)[1].split("Timing", 1)[0]
+    flat = " ".join(explained.split())
+    for e in report.EXPERIMENTS:
+        assert f"{e.title}: {' '.join(e.what.split())}" in flat, e.title
+        assert f"Exact: {e.exact}. Where lax.conv(kernel*mask) leaks: {' '.join(e.baseline.split())}" in flat
+    for words in ("cuDNN", "Winograd", "0 * inf = NaN", "zeros in rows 0-2 and ones in rows 3-4",
+                  "only through masked taps", "6-layer PixelCNN"):
+        assert words in flat, words
+    # The baseline's zeros are explained for the device they were measured on.
+    note = " ".join(explained.strip().split("\n\n")[-1].split())
+    assert "lax.conv(kernel*mask)" in note and ("cuDNN" in note or "GPU" in note), note
+    assert "seed" not in text.lower() and "issue" not in text.lower()
+
+
+def test_format_report_explains_each_row_for_the_device():
+    """The explanations, without measuring: on a CPU the zero rows are said to leak on GPUs."""
+    figures = {e.key: 0 for e in report.EXPERIMENTS}
+    result = {
+        "device": "a CPU (cpu, 1 device(s))", "platform": "cpu", "jax": jax.__version__, "python": "3",
+        "implementation": "xla",
+        "exactness": {"lax.conv(kernel*mask)": dict(figures, nan_isolation=80, stack_nan=81), "masked_conv": figures},
+        "timings": [{"shape": "s", "lax.conv(kernel*mask)": (2.0, 4.0), "masked_conv": (1.0, 2.0)}],
+    }
+    text = report.format_report(result)
+    _assert_rows_explained(text)
+    assert "On this CPU lax.conv(kernel*mask) reads 0 in rows 1, 2, 4" in text
+    leaking = dict(result, platform="gpu")
+    leaking["exactness"] = dict(result["exactness"])
+    leaking["exactness"]["lax.conv(kernel*mask)"] = dict(figures, masked_tap_gradient=1.1e-7)
+    assert "leaks here in rows 1, 2, 4" in report.format_report(leaking)
+    assert "| 1. gradient through masked taps | 1.1e-07 | 0 | 0 |" in report.format_report(leaking)
+
+
+def test_experiments_detect_a_leak():
+    # The measurements themselves can fail: a conv that reads the masked row leaks.
     unmasked = lambda x, k, m, **kw: report.leaky_masked_conv(x, k, np.ones_like(m), **kw)
-    assert report.gradient_leak(unmasked, channels=4) > 0
+    assert report.masked_tap_gradient(unmasked, channels=4) > 0
+    assert report.zeros_over_ones(unmasked, channels=4) > 0
     assert report.nan_isolation(unmasked, channels=4) > 0
 
 
@@ -71,7 +110,9 @@ def test_help_says_what_is_measured_and_how_long():
     proc = subprocess.run([sys.executable, "-m", "maskconv_kernels", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert "``" not in proc.stdout  # plain text, not reST
-    for words in ("gradient", "non-finite", "6-layer", "median milliseconds", "on a 2-core CPU", "--quick"):
+    assert "seed" not in proc.stdout.lower() and "issue" not in proc.stdout.lower()
+    for words in ("gradient", "non-finite", "6-layer", "median milliseconds", "on a 2-core CPU", "--quick",
+                  "cuDNN", "0 * inf = NaN", "zeros above, ones below"):
         assert words in proc.stdout, words
 
 

@@ -1,14 +1,15 @@
 """Each linear map of the ``xla`` backend against a GEMM of the same FLOPs: how close to the machine's limit.
 
-    python -m benchmarks.roofline --out benchmarks/results/roofline_cpu
+    python -m maskconv_kernels.bench roofline --out DIR
 
-For each shape of ``benchmarks/shapes.py``'s ``ROOFLINE_SHAPES`` and each dtype, in one
-process with samples interleaved (``benchmarks/run.py``'s timer), it times:
+For each shape of :data:`.shapes.ROOFLINE_SHAPES` and each dtype, in one process with
+samples interleaved (:mod:`.timing`), it times:
 
 * each map alone, as a jitted vjp with a fixed cotangent: the forward, the input
-  gradient and the weight gradient, for each strategy of ``XlaConfig`` (``auto``, what
-  ``masked_conv`` runs by default, then ``conv``, ``matmul``, ``gemm``, ``conv_blocks``,
-  and ``gemm`` at other block sizes with ``--blocks``) and for ``lax.conv(kernel * mask)``
+  gradient and the weight gradient, for each strategy of the ``xla`` backend's ``Config``
+  (``auto``, what ``masked_conv`` runs by default, then ``conv``, ``matmul``, ``gemm``,
+  ``conv_blocks``, and ``gemm`` at other block sizes with ``--blocks``) and for
+  ``lax.conv(kernel * mask)``
   (XLA's own three maps, over every tap);
 * per map, one dense GEMM with the map's active-tap FLOPs and natural shape, operands
   already in memory: forward ``(N*P, T*Ci) @ (T*Ci, Co)``, input gradient
@@ -20,17 +21,17 @@ process with samples interleaved (``benchmarks/run.py``'s timer), it times:
 * each map's peak extra memory: ``compiled.memory_analysis()``'s temporaries, beside
   the size of ``x``.
 
-FLOPs count active taps only. Writes ``OUT.jsonl`` (a row per shape x dtype x map x
+FLOPs count active taps only. Writes ``PREFIX.jsonl`` (a row per shape x dtype x map x
 strategy, each with the machine's metadata and the load average when it was measured)
-and ``OUT.md``; prints the table.
+and ``PREFIX.md``; prints the table. The library's goals are printed beside the figures:
+each map at 0.75 of its GEMM's rate, forward+backward at 0.85 x the tap ratio of
+``lax.conv(kernel * mask)``'s speed, extra memory at most the size of ``x``.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -40,19 +41,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import maskconv_kernels as mk
-from maskconv_kernels.spec import make_spec
-from maskconv_kernels import xla
-from maskconv_kernels.xla import XlaConfig
-
-from .run import DTYPES, PRESETS, Preset, header, memory, metadata, quantile, time_interleaved
+from ..ops.masked_conv import masked_conv, xla
+from ..ops.masked_conv.reference import leaky_masked_conv
+from ..ops.masked_conv.spec import make_spec
+from .conv import PRESETS
+from .machine import header, loadavg, metadata
 from .shapes import ROOFLINE_SHAPES, BenchShape
+from .timing import DTYPES, Preset, memory, quantile, time_interleaved
+
 
 MAPS = ("fwd", "dx", "dw")
 STRATEGIES = xla.STRATEGIES  # "auto" first: what masked_conv runs by default
 LAX = "lax.conv(kernel*mask)"
-# The issue's targets (21): each map at this fraction of the GEMM's rate; fwd+bwd against
-# lax at this fraction of the tap ratio; extra memory per map at most the size of x.
+# The goals: each map at this fraction of the GEMM's rate; fwd+bwd against lax at this
+# fraction of the tap ratio; extra memory per map at most the size of x.
 EFFICIENCY_TARGET = 0.75
 RATIO_TARGET = 0.85
 # Samples per implementation, each at least this long; interleaved, so a load spike
@@ -62,8 +64,8 @@ TIMING = dataclasses.replace(PRESETS["cpu"], samples=9, min_sample_s=0.1, warmup
 
 def _conv(shape: BenchShape, config):
     if config == LAX:
-        return lambda x, k: mk.leaky_masked_conv(x, k, shape.mask, **shape.conv_args)
-    return lambda x, k: mk.masked_conv(x, k, shape.mask, implementation="xla", config=config, **shape.conv_args)
+        return lambda x, k: leaky_masked_conv(x, k, shape.mask, **shape.conv_args)
+    return lambda x, k: masked_conv(x, k, shape.mask, implementation="xla", config=config, **shape.conv_args)
 
 
 def map_fn(conv, which: str):
@@ -94,11 +96,11 @@ def gemm_shapes(spec, batch: int) -> dict[str, tuple[tuple[int, int], tuple[int,
     }
 
 
-def _strategies(block_sizes) -> dict[str, XlaConfig]:
-    configs = {s: XlaConfig(s) for s in STRATEGIES}
+def _strategies(block_sizes) -> dict[str, xla.Config]:
+    configs = {s: xla.Config(s) for s in STRATEGIES}
     for mib in block_sizes:
-        configs[f"gemm {mib:g} MiB"] = XlaConfig("gemm", block_bytes=int(mib * 2**20))
-        configs[f"conv_blocks {mib:g} MiB"] = XlaConfig("conv_blocks", block_bytes=int(mib * 2**20))
+        configs[f"gemm {mib:g} MiB"] = xla.Config("gemm", block_bytes=int(mib * 2**20))
+        configs[f"conv_blocks {mib:g} MiB"] = xla.Config("conv_blocks", block_bytes=int(mib * 2**20))
     return configs
 
 
@@ -139,7 +141,7 @@ def measure_shape(shape: BenchShape, dtype_name: str, block_sizes, meta: dict, t
             strategy=label, flops=3 * flops)
 
     times = _time(fns, args, timing)
-    load = round(os.getloadavg()[0], 2)
+    load = loadavg()
     for name, ts in times.items():
         med = statistics.median(ts)
         rows[name].update(median_s=med, p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8), samples=len(ts),
@@ -214,36 +216,43 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", help="names from ROOFLINE_SHAPES (default: all)")
+def is_rows(rows: list[dict]) -> bool:
+    """Whether ``rows`` (a ``.jsonl`` read back) are this benchmark's."""
+    return bool(rows) and all("map" in r and "strategy" in r for r in rows)
+
+
+def write_outputs(rows: list[dict], out: Path | None, chart_too: bool = False) -> None:
+    """Prints the tables; with ``out``, writes ``out.md`` too (the roofline draws no chart)."""
+    text = header(rows) + "\n\n" + table(rows)
+    if out is not None:
+        Path(f"{out}.md").write_text(text + "\n")
+    print(text)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--shapes", nargs="+", choices=[s.name for s in ROOFLINE_SHAPES], metavar="NAME",
+                        help=f"of {[s.name for s in ROOFLINE_SHAPES]} (default: all)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "bfloat16"])
-    parser.add_argument("--blocks", nargs="*", type=float, default=[],
+    parser.add_argument("--blocks", nargs="*", type=float, default=[], metavar="MIB",
                         help="also time the blocked strategies with these block sizes, in MiB")
-    parser.add_argument("--out", default=None, help="path prefix for .jsonl/.md (default: print only)")
-    args = parser.parse_args(argv)
+
+
+def run(args) -> int:
+    """Times every shape and dtype; rows to ``args.prefix``.jsonl as they come, then the tables."""
     shapes = [s for s in ROOFLINE_SHAPES if not args.shapes or s.name in args.shapes]
-    meta = metadata("roofline")
-    meta["command"] = " ".join(["python -m benchmarks.roofline", *sys.argv[1:]])
+    meta = metadata("roofline", args.command)
+    print(f"{len(shapes) * len(args.dtypes)} shapes x dtypes on {meta['device']}; writing {args.prefix}.jsonl",
+          file=sys.stderr)
     rows = []
-    jsonl = open(f"{args.out}.jsonl", "w") if args.out else None
-    for shape in shapes:
-        for dtype in args.dtypes:
-            start = time.perf_counter()
-            new = measure_shape(shape, dtype, args.blocks, meta)
-            print(f"{shape.name} {dtype}: {time.perf_counter() - start:.0f} s, load {new[0]['loadavg']}",
-                  file=sys.stderr, flush=True)
-            rows += new
-            if jsonl:
+    with open(f"{args.prefix}.jsonl", "w") as jsonl:
+        for shape in shapes:
+            for dtype in args.dtypes:
+                start = time.perf_counter()
+                new = measure_shape(shape, dtype, args.blocks, meta)
+                print(f"{shape.name} {dtype}: {time.perf_counter() - start:.0f} s, load {new[0]['loadavg']}",
+                      file=sys.stderr, flush=True)
+                rows += new
                 jsonl.writelines(json.dumps(r) + "\n" for r in new)
                 jsonl.flush()
-    text = header(rows) + "\n\n" + table(rows)
-    if args.out:
-        jsonl.close()
-        Path(f"{args.out}.md").write_text(text + "\n")
-    print(text)
+    write_outputs(rows, args.prefix)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,27 @@
-"""The speed-up chart: baseline time / implementation time, per shape, one bar per implementation.
+"""The masked convolution benchmark's chart: baseline time / implementation time, per shape.
 
-    python -m benchmarks.chart benchmarks/results/cpu.jsonl   # redraws benchmarks/results/cpu.png
+One bar per implementation, a panel per dtype and mode, on a log axis centred on 1x.
+Needs matplotlib (the ``bench`` extra); without it the benchmarks write no chart and say so.
 """
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
+import importlib.util
 
+from .machine import short_commit
 from .shapes import SHAPES
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 
+def chart_unavailable() -> str | None:
+    """Why no chart can be drawn here (matplotlib missing), or ``None``."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed; pip install 'maskconv-kernels[bench]' adds it"
+    return None
+
+
 def chart(rows: list[dict], path) -> None:
+    """Draws ``rows`` (the benchmark's, read back or fresh) to the image file ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,22 +75,8 @@ def chart(rows: list[dict], path) -> None:
         row[0].set_yticklabels(labels, fontsize=8)
     meta = rows[0]
     fig.suptitle(f"maskconv_kernels vs lax.conv_general_dilated(x, kernel*mask) on {meta['device']}\n"
-                 f"jax {meta['jax']}, commit {meta['commit'][:12]}{'-dirty' if meta['commit'].endswith('-dirty') else ''}, {meta['time_utc']}", fontsize=10)
+                 f"jax {meta['jax']}, commit {short_commit(meta.get('commit'))}, {meta['time_utc']}", fontsize=10)
     axes[0][-1].legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    for name in argv:
-        path = Path(name)
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        chart(rows, path.with_suffix(".png"))
-        print(path.with_suffix(".png"))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,15 @@
 """Short causal convolutions of sequence models: ``causal_conv1d`` against what JAX users write.
 
-    python -m benchmarks.sequence --preset cpu --out benchmarks/results/sequence_cpu
-    python -m benchmarks.sequence --out benchmarks/results/sequence_gpu      # on a GPU: preset gpu
-    python -m benchmarks.sequence --preset quick      # anywhere: one tiny shape, the kernels interpreted
+    python -m maskconv_kernels.bench sequence --preset cpu --out DIR
 
 Shapes are Mamba-2 / gated-DeltaNet layers (``x: (B, L, D)``, a depthwise causal kernel
 of width ``W``, float32 weights and bias, SiLU, as their short convolutions run). For
-each shape, dtype and mode (``fwd``, ``bwd``, ``fwd+bwd``) it times, in one process with
-samples interleaved (``benchmarks.run.time_interleaved``):
+each shape, dtype and mode (``fwd``, ``bwd``, ``fwd+bwd``, ``decode``) it times, in one
+process with samples interleaved (:mod:`.timing`):
 
-* ``causal_conv1d``: this library, ``implementation=None`` (what the platform gets: the
-  exact shift-and-add of the ``xla`` backend, until the fused kernels are measured);
+* ``causal_conv1d``: this library, ``implementation=None`` (what the platform gets);
 * ``pallas_triton``: ``causal_conv1d(implementation="pallas_triton")``, the fused Pallas
-  kernels of :mod:`maskconv_kernels.short_conv_kernels` (on GPUs; interpreted in the
-  quick preset, to test the script);
+  kernels (on GPUs; interpreted in the quick preset, to test the benchmark itself);
 * ``lax.conv``: ``lax.conv_general_dilated(..., feature_group_count=D)``, the usual JAX
   depthwise convolution (cuDNN on GPUs), in x's dtype with float32 accumulation;
 * ``shift-and-add``: a hand-written ``jnp`` sum over taps of shifted inputs times
@@ -22,18 +18,17 @@ samples interleaved (``benchmarks.run.time_interleaved``):
 In ``decode`` they are ``causal_conv1d_update`` over a pool of ``B`` slots (not donated
 here: each timed call reuses its inputs), a ``(B, W, D)`` window convolved by
 ``lax.conv`` with ``VALID`` padding, and the window's weighted sum by hand; each returns
-the output and the new state. All compute ``silu(conv(x) + bias)`` rounded once to x's dtype; the first cell's outputs
-are compared with the shift-and-add's. Beside each time: the memory roofline, the bytes
-a fused kernel must move (``fwd``: read x, write y; ``bwd``: read x and dy, write dx; the
-weights once; ``decode``: read the state and the token, write the output and the
-state) over the memory bandwidth (HBM, 4.8 TB/s on an H200; on a CPU, a large
-array add measured in the same run). Writes ``OUT.jsonl`` (rows with the machine's
-metadata) as it goes, then ``OUT.md`` and ``OUT.png``; prints the table and the issue's
-targets last. ``--render OUT.jsonl`` prints an earlier (or interrupted) run's.
+the output and the new state. All compute ``silu(conv(x) + bias)`` rounded once to x's
+dtype; the first cell's outputs are compared with the shift-and-add's. Beside each time:
+the memory roofline, the bytes a fused kernel must move (``fwd``: read x, write y;
+``bwd``: read x and dy, write dx; the weights once; ``decode``: read the state and the
+token, write the output and the state) over the memory bandwidth (HBM, 4.8 TB/s on an
+H200; on a CPU, a large array add measured in the same run). Writes ``PREFIX.jsonl``
+(rows with the machine's metadata) as it goes, then ``PREFIX.md`` and ``PREFIX.png``;
+prints the tables and the goals last.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -46,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_update
-
-from .run import DTYPES, Preset, header, memory, metadata, quantile, time_interleaved
+from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from .machine import header, metadata
+from .timing import DTYPES, Preset, memory, quantile, time_interleaved
 
 MODES = ("fwd", "bwd", "fwd+bwd", "decode")
 OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
@@ -71,7 +66,7 @@ def _mamba(batch, length, dim, width):
 
 
 PRESETS = {
-    # The issue's shape (Mamba-2 at D = 1536) in every width, both dtypes.
+    # A Mamba-2 layer (D = 1536 at 2k tokens) in every width, both dtypes.
     "cpu": (Preset(False, ("float32", "bfloat16"), MODES, samples=7, min_sample_s=0.05, warmup=1,
                    max_input_sets=1, peak_n=0),
             tuple(_mamba(4, 2048, 1536, w) for w in (4, 2, 3, 8))),
@@ -270,7 +265,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def targets(rows: list[dict]) -> str:
-    """Issue 19's bar, per shape and dtype: fwd+bwd within 1.25x of shift-and-add, at least 8x faster than lax.conv."""
+    """The library's goals, per shape and dtype: forward+backward within 1.25x of the shift-and-add (the
+    simplest exact formulation) and at least 8x faster than lax.conv's depthwise convolution."""
     lines = [f"| shape | dtype | implementation | time / {SHIFT}'s (<= 1.25) | {LAX}'s time / this (>= 8) |",
              "|---|---|---|---:|---:|"]
     for r in rows:
@@ -306,63 +302,72 @@ def chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def is_rows(rows: list[dict]) -> bool:
+    """Whether ``rows`` (a ``.jsonl`` read back) are this benchmark's."""
+    return bool(rows) and all("ideal_bytes" in r and "implementation" in r for r in rows)
+
+
 def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
     """Prints the tables; with ``out``, also writes ``out.md`` and (``chart_too``) ``out.png``."""
-    text = header(rows) + "\n\n" + markdown(rows) + "\n\n## Targets (fwd+bwd)\n\n" + targets(rows) + "\n"
+    text = header(rows) + "\n\n" + markdown(rows) + "\n\n## Goals (forward+backward; bold: missed)\n\n" \
+        + targets(rows) + "\n"
     diffs = [f"{r['implementation']} {r['shape']} {r['dtype']} {r['mode']}: {r['max_abs_diff_vs_shift']:.3g}"
              for r in rows if "max_abs_diff_vs_shift" in r]
     if diffs:
         text += f"\nmax |difference| from {SHIFT}: " + "; ".join(diffs) + "\n"
-    if out is None:
-        print(text)
-        return
-    Path(f"{out}.md").write_text(text)
-    if chart_too:
-        try:
-            chart(rows, Path(f"{out}.png"))
-        except ImportError as e:
-            print(f"no chart ({e}); install the bench extra: pip install '.[bench]'", file=sys.stderr)
+    if out is not None:
+        Path(f"{out}.md").write_text(text)
+        if chart_too:
+            from .chart import chart_unavailable
+
+            why = chart_unavailable()
+            if why:
+                print(f"no chart: {why}", file=sys.stderr)
+            else:
+                chart(rows, Path(f"{out}.png"))
     print(text)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sequence", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=["auto", *PRESETS], default="auto", help="auto: gpu on GPUs, cpu elsewhere")
-    parser.add_argument("--shapes", help="substring of shape names")
+def add_arguments(parser) -> None:
+    parser.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                        help="cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu: Mamba-2 and "
+                        "gated-DeltaNet layers at 2k-8k tokens; quick: one tiny shape, the fused kernels "
+                        "interpreted off a GPU; auto (default): gpu on a GPU, cpu elsewhere")
+    parser.add_argument("--quick", action="store_true", help="same as --preset quick")
+    parser.add_argument("--shapes", help="a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
     parser.add_argument("--modes", nargs="+", choices=MODES)
-    parser.add_argument("--budget", type=float, default=None, help="seconds; stop starting new cells after this")
-    parser.add_argument("--out", default=None, help="path prefix for .jsonl/.md/.png")
-    parser.add_argument("--no-chart", action="store_true")
-    parser.add_argument("--render", metavar="JSONL", help="only print the tables of an earlier (or interrupted) run")
-    args = parser.parse_args(argv)
-    if args.render:
-        rows = [json.loads(line) for line in Path(args.render).read_text().splitlines() if line.strip()]
-        if rows:
-            write_outputs(rows, None, chart_too=False)
-        return 0 if rows else 1
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="stop starting new cells after S seconds (the most informative cells run first)")
+
+
+def run(args) -> int:
+    """Times the grid; rows to ``args.prefix``.jsonl as they come, then the tables and the chart."""
     platform_name = jax.default_backend()
-    name = args.preset if args.preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
+    name = "quick" if args.quick else (
+        args.preset if args.preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu"))
     preset, shapes = PRESETS[name]
     if args.dtypes:
         preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))
     if args.modes:
         preset = dataclasses.replace(preset, modes=tuple(args.modes))
     shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
-    out = Path(args.out or Path(__file__).parent / "results" / f"sequence_{platform_name}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = metadata(name)
-    meta["command"] = " ".join(["python -m benchmarks.sequence", *(argv if argv is not None else sys.argv[1:])])
+    if not shapes:
+        print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
+        return 2
+    out = args.prefix
+    meta = metadata(name, args.command)
     bandwidth = H200_HBM_BYTES_PER_S if platform_name == "gpu" else measure_bandwidth(preset)
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
           file=sys.stderr)
     found = formulations(platform_name, name)
     grid = cells(shapes, preset)
+    print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
     start, rows = time.perf_counter(), []
     with open(f"{out}.jsonl", "w") as f:
         for i, (shape, dtype, mode) in enumerate(grid):
-            if args.budget is not None and time.perf_counter() - start > args.budget:
-                print(f"time budget of {args.budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
+            if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+                print(f"time budget of {args.time_budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
                 break
             print(f"  {shape.name} {dtype} {mode}", file=sys.stderr, flush=True)
             for row in run_cell(shape, dtype, mode, preset, meta, bandwidth, found, compare=i == 0):
@@ -371,7 +376,3 @@ def main(argv=None) -> int:
             f.flush()
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

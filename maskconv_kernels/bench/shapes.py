@@ -1,7 +1,7 @@
 """The one source of benchmark shapes: masked convolution layers of real models.
 
-Shared by ``benchmarks/run.py`` (timing) and ``tests/test_benchmark_shapes.py`` (CI
-correctness at ``small_batch``), so that every shape we time is also checked.
+Shared by the benchmarks (``python -m maskconv_kernels.bench``) and the tests, which check
+every shape against float64 at batch 1, so that every shape timed is also checked.
 
 Sources:
 * PixelCNN (van den Oord et al., 2016, "Pixel Recurrent Neural Networks"): a 7x7
@@ -19,7 +19,10 @@ Sources:
   reimplementations: a 3-tap kernel with its future tap masked and ``SAME`` padding.
 
 ``batch`` is chosen to fill an H200 (at least ~10 GFLOP per forward pass, so that one
-call runs well past launch overhead); ``small_batch`` is for CPUs and CI.
+call runs well past launch overhead); ``small_batch`` is for CPUs and CI. The two
+``headline`` shapes (32x32, 256 channels, N=64 in bfloat16 on a GPU: a PixelCNN's 7x7
+type-A and 3x3 type-B layers at full width) are where a PixelCNN's training time goes;
+the benchmarks measure them first and summarise them last.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numpy as np
 
 import maskconv_kernels as mk
 
-__all__ = ["BenchShape", "SHAPES", "BAR_SHAPES", "ROOFLINE_SHAPES", "by_name"]
+__all__ = ["BenchShape", "SHAPES", "HEADLINE_SHAPES", "ROOFLINE_SHAPES", "by_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +48,8 @@ class BenchShape:
     batch: int  # fills the device
     small_batch: int  # CPU runs and CI
     conv_args: dict = dataclasses.field(default_factory=dict)
-    # One of the issue's acceptance shapes (bf16, N=64, 32x32, C=256).
-    bar: bool = False
+    # One of the two headline shapes (see the module's docstring).
+    headline: bool = False
 
     @property
     def window(self) -> tuple[int, ...]:
@@ -67,19 +70,20 @@ class BenchShape:
 P = mk.pixelcnn_mask
 
 
-def _pixelcnn(name, hw, c_in, c_out, window, mask_type, batch, small_batch=2, bar=False, family="pixelcnn"):
-    return BenchShape(name, family, (hw, hw), c_in, c_out, P(window, mask_type), batch, small_batch, bar=bar)
+def _pixelcnn(name, hw, c_in, c_out, window, mask_type, batch, small_batch=2, headline=False, family="pixelcnn"):
+    return BenchShape(name, family, (hw, hw), c_in, c_out, P(window, mask_type), batch, small_batch,
+                      headline=headline)
 
 
 SHAPES: tuple[BenchShape, ...] = (
     # PixelCNN first layers (type A: the centre pixel is excluded).
     _pixelcnn("pixelcnn_7x7A_C1-64_28x28", 28, 1, 64, (7, 7), "A", batch=256, small_batch=4),
     _pixelcnn("pixelcnn_7x7A_C3-256_32x32", 32, 3, 256, (7, 7), "A", batch=64),
-    _pixelcnn("pixelcnn_7x7A_C256_32x32", 32, 256, 256, (7, 7), "A", batch=64, small_batch=1, bar=True),
+    _pixelcnn("pixelcnn_7x7A_C256_32x32", 32, 256, 256, (7, 7), "A", batch=64, small_batch=1, headline=True),
     # PixelCNN / PixelCNN++ type-B layers.
     _pixelcnn("pixelcnn_3x3B_C64_28x28", 28, 64, 64, (3, 3), "B", batch=256, small_batch=4),
     _pixelcnn("pixelcnn_3x3B_C128_32x32", 32, 128, 128, (3, 3), "B", batch=128),
-    _pixelcnn("pixelcnn_3x3B_C256_32x32", 32, 256, 256, (3, 3), "B", batch=64, bar=True),
+    _pixelcnn("pixelcnn_3x3B_C256_32x32", 32, 256, 256, (3, 3), "B", batch=64, headline=True),
     _pixelcnn("pixelcnn_3x3B_C128_64x64", 64, 128, 128, (3, 3), "B", batch=32, small_batch=1),
     _pixelcnn("pixelcnn++_5x5B_C160_32x32", 32, 160, 160, (5, 5), "B", batch=64, small_batch=1),
     _pixelcnn("pixelcnn_5x5B_C64_28x28", 28, 64, 64, (5, 5), "B", batch=256, small_batch=4),
@@ -111,10 +115,10 @@ SHAPES: tuple[BenchShape, ...] = (
     ),
 )
 
-BAR_SHAPES = tuple(s for s in SHAPES if s.bar)
+HEADLINE_SHAPES = tuple(s for s in SHAPES if s.headline)
 
-# The CPU roofline's shapes (benchmarks/roofline.py, issue 21), at the batch it times them:
-# the PixelCNN layers of the leak report's timing table and one WaveNet layer.
+# The roofline's shapes (``python -m maskconv_kernels.bench roofline``), at the batch it
+# times them: the PixelCNN layers of the leak report's timing table and one WaveNet layer.
 ROOFLINE_SHAPES: tuple[BenchShape, ...] = (
     _pixelcnn("pixelcnn_7x7A_C64_32x32", 32, 64, 64, (7, 7), "A", batch=16, small_batch=1),
     _pixelcnn("pixelcnn_5x5B_C64_32x32", 32, 64, 64, (5, 5), "B", batch=16, small_batch=1),

@@ -1,9 +1,11 @@
 """Generation time, naive vs decode caches: gated PixelCNNs and a WaveNet-style 1-D stack.
 
-    python -m benchmarks.decode --out benchmarks/results/decode_cpu
+    python -m maskconv_kernels.bench decode --out DIR      # from a clone of the repository
 
-Naive generation runs the whole network over the whole image (or sequence) once per
-generated pixel (``examples/pixelcnn/sampling.py:sample_naive``, a jitted
+The models are the repository's examples (``examples/pixelcnn``, ``examples/wavenet``,
+Flax), which an installed package does not include: run it from a clone, or point
+``--examples`` at that folder. Naive generation runs the whole network over the whole
+image (or sequence) once per generated pixel (``examples/pixelcnn/sampling.py:sample_naive``, a jitted
 ``lax.fori_loop``); cached generation runs each layer once per position from its decode
 cache (``sample_cached``: ``MaskedConv(decode=True)``, one ``lax.scan``). Both draw from
 the same key, so their samples must be identical; every row says how that was checked:
@@ -18,31 +20,26 @@ the same key, so their samples must be identical; every row says how that was ch
 Times are medians over ``--reps`` runs (more for cheap cases) after one compiling call,
 naive and cached runs interleaved in one process; the first (compiling) call is
 reported separately.
-Writes ``OUT.jsonl`` (one row per case, with the machine, versions and commit),
-``OUT.md`` (the table) and ``OUT.png`` (time against image size).
+Writes ``PREFIX.jsonl`` (one row per case, with the machine, versions and commit),
+``PREFIX.md`` (the table) and ``PREFIX.png`` (time against image size, with matplotlib).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import importlib
+import importlib.util
 import json
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .run import metadata
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples" / "pixelcnn"))
-sys.path.insert(0, str(ROOT / "examples" / "wavenet"))
-from generate import WaveNet, generate_cached, generate_naive, regenerate_from_logits  # noqa: E402
-from model import GatedPixelCNN  # noqa: E402
-from sampling import resample_from_logits, sample_cached, sample_naive  # noqa: E402
+from .machine import header, metadata, short_commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,21 +98,51 @@ def _median_times(fns: dict, reps: int, budget_s: float = 6.0, max_reps: int = 2
     return {k: statistics.median(v) for k, v in times.items()}, first, reps
 
 
-def run_case(case: Case, reps: int, seed: int = 0) -> dict:
+def load_examples(folder: str | None) -> types.SimpleNamespace:
+    """The example models and samplers, from ``folder`` (the repository's ``examples/``).
+
+    Without ``folder``: ``./examples``, then the ``examples/`` of the checkout this package
+    runs from (an editable install). They need Flax.
+    """
+    from .machine import _SOURCE
+
+    candidates = [Path(folder)] if folder else [Path.cwd() / "examples", _SOURCE / "examples"]
+    found = next((c for c in candidates if (c / "pixelcnn" / "sampling.py").is_file()
+                  and (c / "wavenet" / "generate.py").is_file()), None)
+    if found is None:
+        raise SystemExit(
+            f"decode times the repository's example models, and no examples folder was found at "
+            f"{', '.join(str(c) for c in candidates)} (it needs pixelcnn/sampling.py and wavenet/generate.py): "
+            "run it from a clone of the repository, or pass --examples PATH/TO/examples")
+    if importlib.util.find_spec("flax") is None:
+        raise SystemExit("decode's example models are Flax modules: pip install 'maskconv-kernels[flax]'")
+    for sub in ("pixelcnn", "wavenet"):  # the examples import their siblings by bare name
+        if str(found / sub) not in sys.path:
+            sys.path.insert(0, str(found / sub))
+    model, sampling, generate = (importlib.import_module(m) for m in ("model", "sampling", "generate"))
+    return types.SimpleNamespace(
+        GatedPixelCNN=model.GatedPixelCNN, sample_naive=sampling.sample_naive, sample_cached=sampling.sample_cached,
+        resample_from_logits=sampling.resample_from_logits, WaveNet=generate.WaveNet,
+        generate_naive=generate.generate_naive, generate_cached=generate.generate_cached,
+        regenerate_from_logits=generate.regenerate_from_logits)
+
+
+def run_case(case: Case, reps: int, ex: types.SimpleNamespace, seed: int = 0) -> dict:
+    """One case: naive and cached generation timed, interleaved, and their samples compared."""
     key = jax.random.key(seed + 1)
     if case.kind == "pixelcnn":
-        model = GatedPixelCNN(levels=4, features=case.features, layers=case.layers)
+        model = ex.GatedPixelCNN(levels=4, features=case.features, layers=case.layers)
         variables = model.init(jax.random.key(seed), jnp.zeros((1, case.size, case.size, 1)))
         shape = (case.size, case.size)
-        naive = lambda: sample_naive(model, variables, key, case.batch, shape, steps=case.naive_steps)  # noqa: E731
-        cached = lambda: sample_cached(model, variables, key, case.batch, shape)  # noqa: E731
-        replay = lambda s: resample_from_logits(model, variables, key, s)  # noqa: E731
+        naive = lambda: ex.sample_naive(model, variables, key, case.batch, shape, steps=case.naive_steps)  # noqa: E731
+        cached = lambda: ex.sample_cached(model, variables, key, case.batch, shape)  # noqa: E731
+        replay = lambda s: ex.resample_from_logits(model, variables, key, s)  # noqa: E731
     else:
-        model = WaveNet(channels=case.features, dilations=tuple(2**i for i in range(case.layers)))
+        model = ex.WaveNet(channels=case.features, dilations=tuple(2**i for i in range(case.layers)))
         variables = model.init(jax.random.key(seed), jnp.zeros((1, case.size, 1)))
-        naive = lambda: generate_naive(model, variables, key, case.batch, case.size, steps=case.naive_steps)  # noqa: E731
-        cached = lambda: generate_cached(model, variables, key, case.batch, case.size)  # noqa: E731
-        replay = lambda s: regenerate_from_logits(model, variables, key, s)  # noqa: E731
+        naive = lambda: ex.generate_naive(model, variables, key, case.batch, case.size, steps=case.naive_steps)  # noqa: E731
+        cached = lambda: ex.generate_cached(model, variables, key, case.batch, case.size)  # noqa: E731
+        replay = lambda s: ex.regenerate_from_logits(model, variables, key, s)  # noqa: E731
     median, first, reps = _median_times({"naive": naive, "cached": cached}, reps)
     naive_out = np.asarray(naive()).reshape(case.batch, -1)
     cached_samples = np.asarray(cached())
@@ -150,19 +177,16 @@ def _fmt(s: float) -> str:
     return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
 
 
-def render(rows: list[dict], meta: dict) -> str:
+def table(rows: list[dict]) -> str:
     lines = [
-        f"Device: {meta['device']} ({meta['cpu_count']} CPU cores); jax {meta['jax']}, jaxlib {meta['jaxlib']}, "
-        f"Python {meta['python']}; commit {meta['commit'][:12]}; {meta['time_utc']}; "
-        f"load average at start {meta['loadavg_at_start']}.",
-        "",
         "| case | batch | model | positions | naive | cached | speed-up | samples identical |",
         "|---|---:|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         model = (f"gated PixelCNN, {r['layers']} layers, {r['features']} ch" if r["kind"] == "pixelcnn"
                  else f"WaveNet, dilations 1..{2 ** (r['layers'] - 1)}, {r['features']} ch")
-        naive = _fmt(r["naive_s"]) + ("" if r["identical_check"] == "full" else f" ({r['naive_measured_steps']} steps x {r['positions'] // r['naive_measured_steps']})")
+        naive = _fmt(r["naive_s"]) + ("" if r["identical_check"] == "full" else
+                                      f" ({r['naive_measured_steps']} steps x {r['positions'] // r['naive_measured_steps']})")
         lines.append(
             f"| {r['name']} | {r['batch']} | {model} | {r['positions']} | {naive} | {_fmt(r['cached_s'])} | "
             f"**{r['speedup']:.0f}x** | {'yes' if r['identical'] else '**NO**'} ({r['identical_check']}) |"
@@ -170,7 +194,8 @@ def render(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path, meta: dict) -> None:
+def plot(rows: list[dict], path: Path) -> None:
+    meta = rows[0]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,43 +225,65 @@ def plot(rows: list[dict], path: Path, meta: dict) -> None:
     axes[1].set_xticks(sizes)
     for ax in axes:
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    fig.suptitle(f"{meta['device']}, jax {meta['jax']}, commit {meta['commit'][:12]}", fontsize=8)
+    fig.suptitle(f"{meta['device']}, jax {meta['jax']}, commit {short_commit(meta.get('commit'))}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/decode_cpu", help="path prefix of .jsonl, .md, .png")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
-    parser.add_argument("--quick", action="store_true", help="small cases, seconds: a smoke test")
-    args = parser.parse_args(argv)
+def is_rows(rows: list[dict]) -> bool:
+    """Whether ``rows`` (a ``.jsonl`` read back) are this benchmark's."""
+    return bool(rows) and all("naive_s" in r and "cached_s" in r for r in rows)
+
+
+def write_outputs(rows: list[dict], out: Path | None, chart_too: bool = True) -> None:
+    """Prints the table; with ``out``, writes ``out.md`` and (``chart_too``) ``out.png`` too."""
+    text = "# Generation time, naive vs decode caches\n\n" + header(rows) + "\n\n" + table(rows)
+    if out is not None:
+        Path(f"{out}.md").write_text(text)
+        if chart_too:
+            from .chart import chart_unavailable
+
+            why = chart_unavailable()
+            if why:
+                print(f"no chart: {why}", file=sys.stderr)
+            else:
+                plot(rows, Path(f"{out}.png"))
+    print(text)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="three small cases, seconds: a smoke test")
+    parser.add_argument("--cases", nargs="+", metavar="NAME",
+                        help=f"of {[c.name for c in CASES]} (or, with --quick, {[c.name for c in QUICK]})")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per case (more for cheap cases)")
+    parser.add_argument("--examples", metavar="DIR", help="the repository's examples/ folder "
+                        "(default: ./examples, then the source checkout's)")
+
+
+def run(args) -> int:
+    """Times every case; rows to ``args.prefix``.jsonl as they come, then the table and the chart."""
+    ex = load_examples(args.examples)
     cases = QUICK if args.quick else CASES
     if args.cases:
-        wanted = set(args.cases.split(","))
-        cases = tuple(c for c in cases if c.name in wanted)
-    meta = metadata("decode")
-    meta["command"] = " ".join(["python -m benchmarks.decode", *sys.argv[1:]])
+        cases = tuple(c for c in cases if c.name in set(args.cases))
+        if not cases:
+            print(f"no case named {args.cases}", file=sys.stderr)
+            return 2
+    meta = metadata("quick" if args.quick else "full", args.command)
+    print(f"{len(cases)} cases on {meta['device']}; writing {args.prefix}.jsonl", file=sys.stderr)
     rows = []
-    for case in cases:
-        row = run_case(case, args.reps)
-        rows.append(row)
-        print(f"{case.name}: naive {_fmt(row['naive_s'])}, cached {_fmt(row['cached_s'])}, "
-              f"{row['speedup']:.0f}x, identical {row['identical']} ({row['identical_check']})", flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".jsonl"), "w") as f:
-        for row in rows:
-            f.write(json.dumps({**row, **meta}) + "\n")
-    table = render(rows, meta)
-    out.with_suffix(".md").write_text(f"# Generation time, naive vs decode caches\n\n`{meta['command']}`\n\n{table}")
-    plot(rows, out.with_suffix(".png"), meta)
-    print(table)
+    with open(f"{args.prefix}.jsonl", "w") as f:
+        for case in cases:
+            row = {**run_case(case, args.reps, ex), **meta}
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(f"{case.name}: naive {_fmt(row['naive_s'])}, cached {_fmt(row['cached_s'])}, "
+                  f"{row['speedup']:.0f}x, identical {row['identical']} ({row['identical_check']})",
+                  file=sys.stderr, flush=True)
+    write_outputs(rows, args.prefix, chart_too=not args.no_chart)
     if not all(r["identical"] for r in rows):
-        sys.exit("cached and naive samples differ")
-
-
-if __name__ == "__main__":
-    main()
+        print("cached and naive samples differ", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,104 @@
+"""How the benchmarks time: samples interleaved between the functions compared, in one process.
+
+Each sample launches a compiled call ``n`` times back to back (rotating input sets) and
+blocks once, so asynchronous dispatch keeps the device busy and the sample measures
+device time, not launch latency; ``n`` makes a sample last at least ``min_sample_s``.
+Samples of the functions compared are interleaved, rotating who goes first, so load from
+other processes slows all of them alike: on a shared machine absolute times wander, their
+ratios much less. Compilation happens before any timed call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Preset", "DTYPES", "time_interleaved", "quantile", "measure_peak", "memory", "n_input_sets"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """How hard to measure on one kind of device."""
+
+    full_batch: bool  # the shapes' device-filling batch, else their small_batch
+    dtypes: tuple[str, ...]
+    modes: tuple[str, ...]
+    samples: int  # timed samples per function
+    min_sample_s: float  # each sample repeats the call until it lasts this long
+    warmup: int
+    max_input_sets: int  # inputs rotated among this many copies when they fit in cache
+    peak_n: int  # square matmul size for the measured peak (0: not measured)
+    shapes: tuple[str, ...] | None = None  # names; None: all
+
+
+def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float]]:
+    """Seconds per call of each of ``fns`` (compiled), ``preset.samples`` samples each, interleaved.
+
+    ``argsets`` is a list of argument tuples, rotated within a sample so that no call
+    finds its inputs in cache because the previous call left them there.
+    """
+    n_inner = {}
+    for name, fn in fns.items():
+        for i in range(preset.warmup):
+            jax.block_until_ready(fn(*argsets[i % len(argsets)]))
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*argsets[0]))
+        one = time.perf_counter() - t
+        n_inner[name] = max(1, math.ceil(preset.min_sample_s / max(one, 1e-7)))
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for s in range(preset.samples):
+        # Rotate who goes first, so no function always follows the same neighbour.
+        for name in names[s % len(names):] + names[: s % len(names)]:
+            fn, n = fns[name], n_inner[name]
+            t = time.perf_counter()
+            for i in range(n):
+                out = fn(*argsets[i % len(argsets)])
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t) / n)
+    return times
+
+
+def quantile(values, q: float) -> float:
+    return float(np.quantile(np.asarray(values), q))
+
+
+def measure_peak(dtype_name: str, n: int, preset: Preset) -> float:
+    """FLOP/s of an ``n x n x n`` matmul at default precision (what the convolutions use), timed here."""
+    dtype = DTYPES[dtype_name]
+    ka, kb = jax.random.split(jax.random.PRNGKey(7))
+    sets = [(jax.random.normal(ka, (n, n), jnp.float32).astype(dtype),
+             jax.random.normal(kb, (n, n), jnp.float32).astype(dtype), None)]
+    f = jax.jit(lambda a, b, _: a @ b).lower(*sets[0]).compile()
+    times = time_interleaved({"mm": f}, sets, dataclasses.replace(preset, samples=max(5, preset.samples // 3)))
+    return 2 * n**3 / statistics.median(times["mm"])
+
+
+def memory(compiled) -> dict:
+    """``peak_bytes`` and ``temp_bytes`` of a compiled executable (``None`` where the platform reports none).
+
+    The peak is ``memory_analysis()``'s, or arguments + outputs + temporaries - aliases
+    where the platform gives no peak.
+    """
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # some platforms do not implement it
+        return {"peak_bytes": None, "temp_bytes": None}
+    if m is None:
+        return {"peak_bytes": None, "temp_bytes": None}
+    peak = getattr(m, "peak_memory_in_bytes", 0) or (
+        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    )
+    return {"peak_bytes": int(peak), "temp_bytes": int(m.temp_size_in_bytes)}
+
+
+def n_input_sets(set_bytes: int, cache_bytes: int, max_sets: int) -> int:
+    """Enough copies of the inputs that their rotation spans twice the cache."""
+    return max(1, min(max_sets, math.ceil(2 * cache_bytes / max(set_bytes, 1))))
