@@ -15,7 +15,7 @@
 #      (python -m maskconv_kernels)                                         -> leak_report.json
 #   5. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
-#   6. per-kernel timings on the acceptance shapes: cuDNN's fwd/dx/dw beside
+#   6. per-kernel timings on the headline shapes: cuDNN's fwd/dx/dw beside
 #      ours, Mosaic GPU's default tiles, Pallas tiles swept, Triton's autotune,
 #      Mosaic GPU tiles swept (python -m benchmarks.tune)                    -> tune.json
 #   7. the summary tables, printed last
@@ -129,7 +129,7 @@ PYTEST_PATHS=$(for f in $PYTEST_PATHS; do [ -e "$f" ] && echo "$f"; done | tr '\
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
 STATUS[pytest]=${PIPESTATUS[0]}
 
-stage "6. per-kernel timings and tile sweep on the acceptance shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
+stage "6. per-kernel timings and tile sweep on the headline shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
 # shellcheck disable=SC2086
 timeout "$TUNE_TIMEOUT" "$PYTHON" -m benchmarks.tune --budget "$TUNE_BUDGET" --out "$OUT/tune.json" $TUNE_ARGS
 STATUS[tune]=$?

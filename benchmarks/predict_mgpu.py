@@ -1,4 +1,4 @@
-"""Predicted cost of the ``pallas_mosaic_gpu`` kernels on the acceptance shapes (no GPU needed).
+"""Predicted cost of the ``pallas_mosaic_gpu`` kernels on the headline shapes (no GPU needed).
 
     python -m benchmarks.predict_mgpu                 # the tables in benchmarks/NOTES.md
     python -m benchmarks.predict_mgpu --ws-loop-efficiency 0.7 --ws-overhead-us 2
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     a = Assumptions(args.loop_efficiency, args.overhead_us, args.copy_tbs, args.cudnn_efficiency,
                     args.ws_loop_efficiency, args.ws_overhead_us)
-    print(f"PREDICTIONS, not measurements: bf16, acceptance shapes; loop efficiency {a.ws_loop_efficiency} "
+    print(f"PREDICTIONS, not measurements: bf16, headline shapes; loop efficiency {a.ws_loop_efficiency} "
           f"warp-specialized / {a.loop_efficiency} one warpgroup, {a.ws_overhead_us} / {a.overhead_us} us per "
           f"tile; copies at {a.copy_tbs} TB/s; cuDNN at {a.cudnn_efficiency:.0%} of 720 TFLOP/s")
     for title, ws in (("default Tiles (warp_specialized=True)", True), ("warp_specialized=False", False)):

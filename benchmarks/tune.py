@@ -1,4 +1,4 @@
-"""Per-kernel timings on the acceptance shapes: cuDNN's pieces beside each of our kernels.
+"""Per-kernel timings on the headline shapes: cuDNN's pieces beside each of our kernels.
 
     python -m benchmarks.tune --out benchmarks/results/gpu-check/tune.json
 
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
     parser.add_argument("--budget", type=float, default=120.0, help="seconds; later shapes/kernels are skipped")
     parser.add_argument("--out", default="tune.json")
-    parser.add_argument("--shapes", help="regex on the acceptance shapes' names (default: both)")
+    parser.add_argument("--shapes", help="regex on the headline shapes' names (default: both)")
     ours = ["pallas_triton", "triton", "pallas_mosaic_gpu"]
     parser.add_argument("--implementations", nargs="+", default=ours, choices=ours,
                         help="ours to time (cuDNN always runs)")

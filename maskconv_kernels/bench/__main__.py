@@ -33,7 +33,7 @@ MODES = {
 ESTIMATES = {
     ("conv", "cpu"): ("3-5 min on a 2-core x86 VM (3 min 25 s with jax 0.10.2 at load average 2, "
                       "4 min 24 s with jax 0.12 as other jobs raised it to 5)"),
-    ("conv", "quick"): "about 15 s there",
+    ("conv", "quick"): "15-20 s on a 2-core x86 VM",
 }
 
 EPILOG = """\

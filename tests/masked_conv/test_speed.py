@@ -62,5 +62,6 @@ def test_3x3_type_b_training_step_is_faster_than_lax_conv():
     assert speedup >= FLOOR, (
         f"masked_conv's forward+backward at 3x3 type B, N=16, 32x32, C=128 is {speedup:.2f}x lax.conv(kernel*mask) "
         f"(median of {len(ratios)} interleaved rounds: {', '.join(f'{r:.2f}' for r in ratios)}), under the floor "
-        f"{FLOOR}x: a regression in the xla backend's CPU path; benchmarks/roofline.py shows which map"
+        f"{FLOOR}x: a regression in the xla backend's CPU path; python -m maskconv_kernels.bench roofline shows "
+        "which map"
     )

@@ -43,7 +43,7 @@ STRATEGIES = ("gemm", "conv_blocks")
 
 # One block's im2col patches (what a block's GEMMs read; ``"conv_blocks"`` blocks the
 # same pixels). Chosen on a 2-core AMD EPYC VM (1 MiB L2 per core, 32 MiB shared L3), at
-# the PixelCNN and WaveNet shapes of benchmarks/roofline.py: 1-4 MiB within noise of one
+# the roofline benchmark's PixelCNN and WaveNet shapes (bench/shapes.py): 1-4 MiB within noise of one
 # another, 8 MiB and more slower as a block leaves the caches (also for the convolutions:
 # whole-batch blocks of 32-128 MiB ran at half the rate).
 BLOCK_BYTES = 2 << 20
