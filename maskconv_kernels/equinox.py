@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from maskconv_kernels._core.args import as_segment_ids
 from maskconv_kernels._extras import require
 from maskconv_kernels.masks import Mask, as_mask
 from maskconv_kernels.ops.masked_conv import masked_conv
@@ -153,14 +154,8 @@ class Conv(eqx.nn.Conv):
                 "values (wrapped, mirrored or repeated), which belong to no position of a document; use "
                 "padding_mode='ZEROS'"
             )
-        if not isinstance(segment_ids, (jax.Array, jax.ShapeDtypeStruct)):
-            segment_ids = jnp.asarray(segment_ids)
-        if tuple(segment_ids.shape) != tuple(x_shape[1:]):
-            raise ValueError(
-                f"segment_ids must have x's spatial shape {tuple(x_shape[1:])} (x is (in_channels, *spatial), "
-                f"unbatched), got {tuple(segment_ids.shape)}"
-            )
-        return segment_ids[None]
+        what = "x's spatial shape (x is (in_channels, *spatial), unbatched)"
+        return as_segment_ids(segment_ids, tuple(x_shape[1:]), what)[None]
 
     def _pad(self, x: jax.Array) -> jax.Array:
         """Equinox's non-zero padding modes: copies of real values, so no masked tap is read after it."""

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from maskconv_kernels.ops.masked_conv import masked_conv
+from maskconv_kernels._core.args import as_segment_ids
 from maskconv_kernels.masks import Mask, as_mask
+from maskconv_kernels.ops.masked_conv import masked_conv
 
 __all__ = ["static_mask", "conv", "kernel_size_tuple"]
 
@@ -157,12 +158,5 @@ def _check_segment_ids(segment_ids, inputs_shape, pads) -> jax.Array:
             "document at one end would read another document's (CIRCULAR) or mirrored copies of its own (REFLECT); "
             "pad with zeros ('SAME', 'CAUSAL' or explicit pairs), where no tap leaves its document"
         )
-    if not isinstance(segment_ids, (jax.Array, jax.ShapeDtypeStruct)):
-        segment_ids = jnp.asarray(segment_ids)
-    expected = tuple(inputs_shape[:-1])
-    if tuple(segment_ids.shape) != expected:
-        raise ValueError(
-            f"segment_ids must have the inputs' shape without their channels, (*batch_dims, *spatial) = {expected}, "
-            f"got {tuple(segment_ids.shape)}"
-        )
-    return segment_ids
+    what = "the inputs' shape without their channels, (*batch_dims, *spatial)"
+    return as_segment_ids(segment_ids, tuple(inputs_shape[:-1]), what)

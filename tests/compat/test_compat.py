@@ -10,6 +10,9 @@ copies of inputs, so they are compared bit for bit.
 """
 from __future__ import annotations
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -316,3 +319,12 @@ def test_ported_decode_loop_continues_the_prefill():
 def test_errors_name_causal_conv1ds_layouts(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_the_porting_page_runs():
+    """docs/compat.md's code, as a reader would paste it."""
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "compat.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/compat.md", "exec"), {})

@@ -73,5 +73,6 @@ def test_padding_modes_that_copy_values_are_refused(mode):
 
 def test_segment_ids_shape_error_names_the_spatial_shape():
     conv = mk_eqx.Conv2d(2, 3, 3, padding=1, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"segment_ids must have x's spatial shape \(5, 6\).*got \(1, 5, 6\)"):
+    expected = r"segment_ids must have x's spatial shape \(x is \(in_channels, \*spatial\), unbatched\) = \(5, 6\)"
+    with pytest.raises(ValueError, match=expected + r", got \(1, 5, 6\)"):
         conv(jnp.ones((2, 5, 6)), segment_ids=jnp.zeros((1, 5, 6), jnp.int32))
