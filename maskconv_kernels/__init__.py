@@ -3,7 +3,8 @@
 The ops are packages of :mod:`maskconv_kernels.ops`, each with its implementations;
 :mod:`.masks` builds masks, :mod:`.parallel` splits a spatial or sequence axis over
 devices, :mod:`.audit` checks a whole model for causality, :mod:`.flax` and
-:mod:`.equinox` hold the modules, and ``python -m maskconv_kernels`` prints the leak report.
+:mod:`.equinox` hold the modules, :mod:`.compat` other libraries' faces on the ops
+(Dao-AILab causal-conv1d's), and ``python -m maskconv_kernels`` prints the leak report.
 """
 from . import _moved
 from .audit import CausalityError, CausalityReport, as_function, assert_causal, audit_causal

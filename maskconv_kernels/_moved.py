@@ -22,7 +22,7 @@ MOVED = {
     "backends": "ops.masked_conv.backends",
     "core": "ops.masked_conv.maps",
     "spec": "ops.masked_conv.spec",
-    "problem": "ops.masked_conv.problem",
+    "problem": "ops.masked_conv.kernel_problem",
     "layout": "ops.masked_conv.layout",
     "reference": "ops.masked_conv.reference",
     "decode": "ops.masked_conv.decode",

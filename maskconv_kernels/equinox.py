@@ -18,15 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from maskconv_kernels._core.args import as_segment_ids
+from maskconv_kernels._extras import require
+from maskconv_kernels.masks import Mask, as_mask
 from maskconv_kernels.ops.masked_conv import masked_conv
 from maskconv_kernels.ops.masked_conv.layout import Layout
-from maskconv_kernels.masks import Mask, as_mask
+
+eqx = require("equinox", "equinox", "maskconv_kernels.equinox")
 
 __all__ = ["Conv", "MaskedConv", "Conv1d", "Conv2d", "Conv3d"]
 
@@ -111,14 +114,27 @@ class Conv(eqx.nn.Conv):
         self.mask = _static_mask(mask, self.kernel_size, self.weight.shape)
         self.implementation = implementation
 
-    def __call__(self, x: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
-        """``x: (in_channels, *spatial)`` -> ``(out_channels, *out_spatial)``; ``key`` is ignored, as in Equinox."""
+    def __call__(
+        self, x: jax.Array, *, segment_ids: jax.Array | None = None, key: jax.Array | None = None
+    ) -> jax.Array:
+        """``x: (in_channels, *spatial)`` -> ``(out_channels, *out_spatial)``; ``key`` is ignored, as in Equinox.
+
+        ``segment_ids``: ``None``, or integers ``(*spatial)``: packed documents, as
+        :func:`maskconv_kernels.masked_conv` takes them (``jax.vmap`` both over a batch).
+        No tap crosses a document boundary; negative ids are padding, where the
+        convolution is zero (the output is the bias). Needs an output on the input's grid
+        (stride 1 and a size-keeping padding: ``"SAME"``, or ``(k - 1) // 2`` and ``k // 2``
+        per side) and ``padding_mode="ZEROS"``: the other modes copy values across the
+        border (wrapped, mirrored or repeated), positions that no document owns.
+        """
         del key
         if x.ndim != self.num_spatial_dims + 1:
             raise ValueError(
                 f"Input to Conv needs to have rank {self.num_spatial_dims + 1} ((in_channels, *spatial), unbatched, "
                 f"as equinox.nn.Conv), but input has shape {x.shape}: vmap over a batch"
             )
+        if segment_ids is not None:
+            segment_ids = self._segment_ids(segment_ids, x.shape)
         padding = self.padding
         if self.padding_mode != "ZEROS":
             x, padding = self._pad(x), "VALID"
@@ -126,9 +142,20 @@ class Conv(eqx.nn.Conv):
         y = masked_conv(
             x[None], self.weight, mask, strides=self.stride, padding=padding, dilation=self.dilation,
             feature_group_count=self.groups, dimension_numbers=_dimension_numbers(self.num_spatial_dims),
-            implementation=self.implementation,
+            implementation=self.implementation, segment_ids=segment_ids,
         )[0]
         return y + self.bias if self.use_bias else y
+
+    def _segment_ids(self, segment_ids, x_shape) -> jax.Array:
+        """``(*spatial)`` ids for ``x (in_channels, *spatial)``, batched as ``masked_conv`` takes them."""
+        if self.padding_mode != "ZEROS":
+            raise ValueError(
+                f"segment_ids with padding_mode={self.padding_mode!r}: that mode fills the border with copies of "
+                "values (wrapped, mirrored or repeated), which belong to no position of a document; use "
+                "padding_mode='ZEROS'"
+            )
+        what = "x's spatial shape (x is (in_channels, *spatial), unbatched)"
+        return as_segment_ids(segment_ids, tuple(x_shape[1:]), what)[None]
 
     def _pad(self, x: jax.Array) -> jax.Array:
         """Equinox's non-zero padding modes: copies of real values, so no masked tap is read after it."""

@@ -162,8 +162,10 @@ def as_operand(name: str, value):
         ) from None
 
 
-def as_segment_ids(segment_ids, shape, what: str = "x's shape without its channels, (N, *spatial)") -> jax.Array:
-    """``segment_ids`` checked: integers of ``shape`` (``what`` names it in the error); traced values welcome.
+def as_segment_ids(
+    segment_ids, shape, what: str = "x's shape without its channels, (N, *spatial)", name: str = "segment_ids"
+) -> jax.Array:
+    """``segment_ids`` checked: integers of ``shape`` (``what`` names it in the error, ``name`` the argument); traced values welcome.
 
     8- and 16-bit unsigned ids are taken as int32; 32- and 64-bit unsigned ones are refused
     (a position outside the input is padding, id -1, which they would wrap to a real id).
@@ -177,15 +179,15 @@ def as_segment_ids(segment_ids, shape, what: str = "x's shape without its channe
         try:
             ids = jnp.asarray(ids)
         except (TypeError, ValueError):
-            raise TypeError(f"segment_ids must be an array of integers, got {type(segment_ids).__name__}") from None
+            raise TypeError(f"{name} must be an array of integers, got {type(segment_ids).__name__}") from None
     dtype = np.dtype(ids.dtype)
     if dtype.kind not in "iu":
         raise TypeError(
-            f"segment_ids must hold integers (a document id per position, negative for padding), got dtype {dtype}"
+            f"{name} must hold integers (a document id per position, negative for padding), got dtype {dtype}"
         )
     if dtype.kind == "u" and dtype.itemsize >= 4:
-        raise TypeError(f"segment_ids must be signed integers (negative ids mark padding), got {dtype}: use int32")
+        raise TypeError(f"{name} must be signed integers (negative ids mark padding), got {dtype}: use int32")
     expected = tuple(shape)
     if tuple(ids.shape) != expected:
-        raise ValueError(f"segment_ids must have {what} = {expected}, got {tuple(ids.shape)}")
+        raise ValueError(f"{name} must have {what} = {expected}, got {tuple(ids.shape)}")
     return ids.astype(np.int32) if dtype.kind == "u" else ids

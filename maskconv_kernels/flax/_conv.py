@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
-from maskconv_kernels.ops.masked_conv import masked_conv
+from maskconv_kernels._core.args import as_segment_ids
 from maskconv_kernels.masks import Mask, as_mask
+from maskconv_kernels.ops.masked_conv import masked_conv
 
 __all__ = ["static_mask", "conv", "kernel_size_tuple"]
 
@@ -74,6 +75,7 @@ def conv(
     preferred_element_type=None,
     implementation: str | None,
     bias: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> jax.Array:
     """``nn.Conv``'s convolution and bias with ``kernel * mask`` made exact.
 
@@ -82,6 +84,12 @@ def conv(
       kernel: ``(*window, C_in // feature_group_count, C_out)``, the dtype of ``inputs``.
       mask: the normalised mask, or ``None`` for a plain convolution (every tap active).
       bias: ``(C_out,)`` or ``None``.
+      segment_ids: ``None``, or integers of ``inputs``' shape without its channels,
+        ``(*batch_dims, *spatial)``: packed documents, as :func:`masked_conv` takes them
+        (batch dims flattened and restored with the inputs'). Not with ``"CIRCULAR"`` or
+        ``"REFLECT"`` padding, which copy values across the border of a row: a document
+        there would read another's values, or mirror images of its own that are not
+        positions of the input.
     """
     window = tuple(kernel.shape[:-2])
     ndim = len(window)
@@ -99,11 +107,15 @@ def conv(
     kernel_dilation = broadcast(kernel_dilation)
 
     num_batch_dims = inputs.ndim - (ndim + 1)
+    pads = canonicalize_padding(padding, ndim)
+    if segment_ids is not None:
+        segment_ids = _check_segment_ids(segment_ids, inputs.shape, pads)
     if num_batch_dims != 1:
         batch_shape = inputs.shape[:num_batch_dims]
         inputs = jnp.reshape(inputs, (-1, *inputs.shape[num_batch_dims:]))
+        if segment_ids is not None:
+            segment_ids = jnp.reshape(segment_ids, (-1, *segment_ids.shape[num_batch_dims:]))
 
-    pads = canonicalize_padding(padding, ndim)
     if pads in ("CIRCULAR", "REFLECT"):
         dilated = [(k - 1) * d + 1 for k, d in zip(window, kernel_dilation)]
         extra = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
@@ -129,9 +141,22 @@ def conv(
         precision=precision,
         preferred_element_type=preferred_element_type,
         implementation=implementation,
+        segment_ids=segment_ids,
     )
     if num_batch_dims != 1:
         y = jnp.reshape(y, (*batch_shape, *y.shape[1:]))
     if bias is not None:
         y += bias.reshape((1,) * (y.ndim - 1) + bias.shape)
     return y
+
+
+def _check_segment_ids(segment_ids, inputs_shape, pads) -> jax.Array:
+    """``segment_ids`` of ``inputs``' shape without channels, with a padding that copies no values."""
+    if pads in ("CIRCULAR", "REFLECT"):
+        raise ValueError(
+            f"segment_ids with padding={pads!r}: that padding copies values across the border of each row, so a "
+            "document at one end would read another document's (CIRCULAR) or mirrored copies of its own (REFLECT); "
+            "pad with zeros ('SAME', 'CAUSAL' or explicit pairs), where no tap leaves its document"
+        )
+    what = "the inputs' shape without their channels, (*batch_dims, *spatial)"
+    return as_segment_ids(segment_ids, tuple(inputs_shape[:-1]), what)

@@ -7,15 +7,20 @@ weight and ``uniform(-1/sqrt(fan_in), 1/sqrt(fan_in))`` for the bias, with ``fan
 (D / groups) * W = W`` for a depthwise convolution. Both bounds are then ``1/sqrt(W)``
 (the gain ``sqrt(2 / (1 + a^2)) = sqrt(1/3)`` times ``sqrt(3 / fan_in)``). A PyTorch
 weight ``(D, 1, W)`` loads as ``weight = w[:, 0, :].T``, ``(W, D)``.
+
+Flax models write the same convolution as ``nn.Conv(features=D, kernel_size=(W,),
+feature_group_count=D, padding="CAUSAL")`` (or ``((W - 1) * dilation, 0)``), whose kernel
+is ``(W, 1, D)``: :func:`from_conv_params` converts its parameters.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["torch_conv1d_uniform", "weight_init", "bias_init_for", "state_shape"]
+__all__ = ["torch_conv1d_uniform", "weight_init", "bias_init_for", "state_shape", "from_conv_params"]
 
 
 def torch_conv1d_uniform(width: int):
@@ -46,3 +51,49 @@ def state_shape(input_shape, width: int, dilation: int, features: int) -> tuple[
             f"{features}) to allocate the state, got {tuple(input_shape)}"
         )
     return (input_shape[0], (width - 1) * dilation, features)
+
+
+def from_conv_params(params: Mapping) -> dict:
+    """A depthwise ``nn.Conv``'s parameters as ``ShortConv``'s: ``kernel (W, 1, D)`` -> ``weight (W, D)``.
+
+    ``params``: ``{"kernel": (W, 1, D), "bias": (D,)}`` (``bias`` optional), or variables
+    holding them under ``"params"``, as ``nn.Conv(features=D, kernel_size=(W,),
+    feature_group_count=D).init`` returns them; the result has the same nesting. The
+    kernel's values are kept (``kernel[:, 0, :]``), so a ``ShortConv`` with these
+    parameters computes the causal convolution that conv computes with ``padding="CAUSAL"``
+    or ``((W - 1) * dilation, 0)``, up to rounding. Checkpoints of a model that used the
+    ``nn.Conv`` load through it::
+
+        >>> import flax.linen as nn, jax, jax.numpy as jnp
+        >>> from maskconv_kernels.flax import ShortConv, from_conv_params
+        >>> x = jnp.ones((2, 16, 8))
+        >>> conv = nn.Conv(8, (4,), feature_group_count=8, padding="CAUSAL")
+        >>> conv_variables = conv.init(jax.random.key(0), x)
+        >>> variables = from_conv_params(conv_variables)
+        >>> jax.tree_util.tree_map(jnp.shape, variables)
+        {'params': {'bias': (8,), 'weight': (4, 8)}}
+        >>> bool(jnp.allclose(ShortConv(4).apply(variables, x), conv.apply(conv_variables, x)))
+        True
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"from_conv_params takes nn.Conv's parameters, a mapping with 'kernel', got {type(params).__name__}")
+    if "params" in params and "kernel" not in params:
+        return {**params, "params": from_conv_params(params["params"])}
+    if "kernel" not in params or set(params) - {"kernel", "bias"}:
+        raise ValueError(
+            f"from_conv_params takes a depthwise nn.Conv's parameters {{'kernel', 'bias'}} (or variables holding them "
+            f"under 'params'), got keys {sorted(params)}"
+        )
+    kernel = params["kernel"]
+    shape = tuple(jnp.shape(kernel))
+    if len(shape) != 3 or shape[1] != 1:
+        raise ValueError(
+            f"from_conv_params: kernel must be a depthwise 1-D convolution's (W, 1, D) (nn.Conv with "
+            f"kernel_size=(W,) and feature_group_count = features = D), got shape {shape}"
+        )
+    converted = {"weight": kernel[:, 0, :]}
+    if "bias" in params:
+        if tuple(jnp.shape(params["bias"])) != (shape[2],):
+            raise ValueError(f"from_conv_params: bias must be (D,) = ({shape[2]},), got {tuple(jnp.shape(params['bias']))}")
+        converted["bias"] = params["bias"]
+    return converted

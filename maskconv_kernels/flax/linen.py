@@ -26,9 +26,10 @@ from flax.linen.linear import PaddingLike, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
 from maskconv_kernels.flax import _conv, _decode, _short_conv
+from maskconv_kernels.flax._short_conv import from_conv_params
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 
-__all__ = ["Conv", "MaskedConv", "ShortConv"]
+__all__ = ["Conv", "MaskedConv", "ShortConv", "from_conv_params"]
 
 
 class Conv(nn.Module):
@@ -118,12 +119,19 @@ class Conv(nn.Module):
         super().__post_init__()
 
     @nn.compact
-    def __call__(self, inputs: jax.Array) -> jax.Array:
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         """Applies the masked convolution.
 
         Args:
           inputs: ``(*batch_dims, *spatial, C_in)``, channels-last; several batch dims are
             flattened and restored, none is allowed (single example), as in ``nn.Conv``.
+          segment_ids: ``None``, or integers ``(*batch_dims, *spatial)``: packed documents,
+            as :func:`maskconv_kernels.masked_conv` takes them: no tap crosses a document
+            boundary. Negative ids are padding, where the convolution is zero (the output
+            is the bias) and which receives no gradient. Needs an output on the input's
+            grid (stride 1; ``"SAME"``, ``"CAUSAL"`` or size-keeping pairs) and zero
+            padding (not ``"CIRCULAR"`` or ``"REFLECT"``, which copy values across a row's
+            border); not when decoding.
 
         Returns:
           ``(*batch_dims, *out_spatial, features)`` in the promoted dtype.
@@ -139,6 +147,8 @@ class Conv(nn.Module):
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         if self.decode and self.has_variable("cache", "cached_input"):
+            if segment_ids is not None:
+                raise ValueError("segment_ids is for full inputs: a decode step continues one sequence per example")
             return self._decode_step(inputs, kernel, bias)
         if self.decode:
             self._allocate_cache(inputs, kernel.shape)
@@ -154,6 +164,7 @@ class Conv(nn.Module):
             precision=self.precision,
             implementation=self.implementation,
             bias=bias,
+            segment_ids=segment_ids,
         )
 
     # ------------------------------------------------------------------ decode=True
@@ -197,7 +208,8 @@ class ShortConv(nn.Module):
     Parameters as those layers hold them: ``weight`` ``(kernel_size, D)`` and ``bias``
     ``(D,)``, initialised as PyTorch's ``Conv1d(D, D, kernel_size, groups=D)``
     (``uniform(±1/sqrt(kernel_size))`` for both; a PyTorch weight ``(D, 1, W)`` loads as
-    ``w[:, 0, :].T``); ``D`` is the input's last dim::
+    ``w[:, 0, :].T``, the parameters of a depthwise ``nn.Conv`` (``kernel (W, 1, D)``)
+    through :func:`from_conv_params`); ``D`` is the input's last dim::
 
         >>> import jax, jax.numpy as jnp
         >>> from maskconv_kernels.flax import ShortConv

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
+from flax.linen.linear import canonicalize_padding
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
@@ -171,18 +172,31 @@ class Conv(nnx.Module):
         self.cache_index[...] = index
         return y
 
-    def __call__(self, inputs: jax.Array, out_sharding=None, *, decode: bool | None = None) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, segment_ids: jax.Array | None = None, *, out_sharding=None,
+        decode: bool | None = None,
+    ) -> jax.Array:
         """Applies the masked convolution.
 
         Args:
           inputs: ``(*batch_dims, *spatial, in_features)``; several batch dims are
             flattened and restored, none is allowed (single example), as in ``nnx.Conv``.
+          segment_ids: ``None``, or integers ``(*batch_dims, *spatial)``: packed documents,
+            as in the linen :meth:`maskconv_kernels.flax.linen.Conv.__call__`; not when
+            decoding.
           out_sharding: only ``None``; explicit output sharding is not supported yet.
+            Keyword-only here (``nnx.Conv`` takes it second): the second place is
+            ``segment_ids``, as in the linen module.
           decode: overrides the module's ``decode`` for this call.
 
         Returns:
           ``(*batch_dims, *out_spatial, out_features)``.
         """
+        if isinstance(segment_ids, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+            raise TypeError(
+                "the second argument of this Conv is segment_ids, got a sharding: pass out_sharding= by keyword "
+                "(nnx.Conv takes it second)"
+            )
         if out_sharding is not None:
             raise NotImplementedError(
                 "out_sharding is not supported by maskconv_kernels.flax.nnx.Conv yet: call it without out_sharding and "
@@ -197,6 +211,8 @@ class Conv(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         if self.decode if decode is None else decode:
+            if segment_ids is not None:
+                raise ValueError("segment_ids is for full inputs: a decode step continues one sequence per example")
             return self._decode_step(inputs, kernel, bias)
         return _conv.conv(
             inputs,
@@ -211,6 +227,7 @@ class Conv(nnx.Module):
             preferred_element_type=self.preferred_element_type,
             implementation=self.implementation,
             bias=bias,
+            segment_ids=segment_ids,
         )
 
 
@@ -280,6 +297,46 @@ class ShortConv(nnx.Module):
         self.implementation = implementation
         self.decode = decode
         self.conv_state: nnx.Cache | None = nnx.data(None)
+
+    @classmethod
+    def from_conv(
+        cls, conv: nnx.Conv, *, activation: str | None = None, implementation: str | None = None,
+        decode: bool = False,
+    ) -> "ShortConv":
+        """The ``ShortConv`` with a depthwise causal ``nnx.Conv``'s parameters, computing what it computes.
+
+        ``conv``: ``nnx.Conv(D, D, W, feature_group_count=D, padding="CAUSAL")`` (or
+        padding ``((W - 1) * kernel_dilation, 0)``), stride 1, no mask, no input dilation:
+        its ``kernel (W, 1, D)`` becomes ``weight (W, D)`` (:func:`~maskconv_kernels.flax.from_conv_params`),
+        its bias, dtypes and kernel dilation are kept. ``activation``, ``implementation``,
+        ``decode``: the new module's.
+        """
+        d, kernel = conv.in_features, conv.kernel[...]
+        window = _conv.kernel_size_tuple(conv.kernel_size)
+        dilation = _conv.kernel_size_tuple(conv.kernel_dilation or 1)[0]  # an int or one per dim, as kernel_size
+        problems = []
+        if len(window) != 1 or not (conv.feature_group_count == d == conv.out_features):
+            problems.append(
+                "a depthwise 1-D convolution (kernel_size (W,), feature_group_count = in_features = out_features), "
+                f"got kernel {tuple(kernel.shape)} with feature_group_count={conv.feature_group_count}"
+            )
+        elif canonicalize_padding(conv.padding, 1) not in ("CAUSAL", [((window[0] - 1) * dilation, 0)]):
+            problems.append(f"a causal padding, 'CAUSAL' or (({(window[0] - 1) * dilation}, 0),), got {conv.padding!r}")
+        if any(v not in (None, 1, (1,)) for v in (conv.strides, conv.input_dilation)) or conv.mask is not None:
+            problems.append("stride 1, no input dilation and no mask")
+        if problems:
+            raise ValueError(f"ShortConv.from_conv needs {'; and '.join(problems)}")
+        params = _short_conv.from_conv_params(
+            {"kernel": kernel, **({"bias": conv.bias[...]} if conv.bias is not None else {})}
+        )
+        module = cls(
+            d, window[0], dilation=dilation, use_bias=conv.bias is not None, activation=activation, dtype=conv.dtype,
+            param_dtype=conv.param_dtype, implementation=implementation, rngs=nnx.Rngs(0), decode=decode,
+        )
+        module.weight[...] = params["weight"]
+        if conv.bias is not None:
+            module.bias[...] = params["bias"]
+        return module
 
     def init_cache(self, input_shape: tp.Sequence[int], dtype: Dtype | None = None) -> None:
         """Allocates ``conv_state``, zeros ``(N, (kernel_size - 1) * dilation, features)``, for inputs ``(N, L, D)``.

@@ -60,7 +60,6 @@ M = mk.pixelcnn_mask((3, 3), "B")
         (dict(interpret="yes"), TypeError, r"interpret must be True or False, got 'yes'"),
         (dict(preferred_element_type="bogus"), TypeError, r"preferred_element_type must be a floating dtype.*'bogus'"),
         (dict(precision="bogus"), ValueError, r"precision must be None, a lax.Precision, one of 'default', 'high', 'highest'.*'bogus'"),
-        (dict(mask=None), TypeError, r"mask must be array-like of 0/1 or bools.*got None.*np.ones"),
         (dict(mask=np.ones((3, 3, 4, 5))), ValueError, r"mask has the full kernel shape's rank but shape \(3, 3, 4, 5\).*C_out = 6"),
         # lax.conv_general_dilated's arguments (issue 20): the same limits as lax, said so.
         (dict(dimension_numbers="NCHW"), TypeError, r"dimension_numbers must be None \(channels-last, \('NHWC', 'HWIO', 'NHWC'\)\).*'NCHW'"),

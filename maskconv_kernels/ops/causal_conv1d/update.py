@@ -15,7 +15,10 @@ from .api import causal_conv1d
 from ..._core.args import as_operand
 from .checks import check_activation, check_operands
 
-__all__ = ["causal_conv1d_update", "PAD_SLOT_ID"]
+__all__ = [
+    "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
+    "zero_padding_rows",
+]
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
 PAD_SLOT_ID = -1
@@ -90,21 +93,15 @@ def causal_conv1d_update(
     _, d, window = check_operands(xt, weight, bias, dilation)
     batch, tokens = xt.shape[:2]
     slots, state_len = _check_pool(conv_state, window, d, x.dtype, batch if state_indices is None else None)
-    indices = None if state_indices is None else _check_state_indices(state_indices, batch, slots)
+    indices = None if state_indices is None else check_state_indices(state_indices, batch, slots)
     if cache_seqlens is not None:
-        cache_seqlens = _check_row_values("cache_seqlens", cache_seqlens, batch, "iu")
+        cache_seqlens = check_row_values("cache_seqlens", cache_seqlens, batch, "iu")
         if state_len == 0:
             raise ValueError("cache_seqlens (a circular state) needs conv_state with state_len >= 1, got 0")
     if has_initial_state is not None:
-        has_initial_state = _check_row_values("has_initial_state", has_initial_state, batch, "b")
+        has_initial_state = check_row_values("has_initial_state", has_initial_state, batch, "b")
 
-    if indices is None:
-        rows = conv_state
-    else:
-        indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))  # room for `slots` below
-        inside = (indices >= 0) & (indices < slots)
-        rows = jnp.take(conv_state, jnp.clip(indices, 0, slots - 1), axis=0)
-        rows = jnp.where(inside[:, None, None], rows, jnp.full((), jnp.nan, rows.dtype))
+    rows = conv_state if indices is None else read_slots(conv_state, indices)
     if has_initial_state is not None:
         rows = jnp.where(has_initial_state[:, None, None], rows, jnp.zeros((), rows.dtype))
     if cache_seqlens is None:
@@ -123,10 +120,46 @@ def causal_conv1d_update(
     if indices is None:
         new_state = new_rows
     else:
-        y = jnp.where((indices == PAD_SLOT_ID)[:, None, None], jnp.zeros((), y.dtype), y)
-        # Rows without a slot (padding, out of range) write nowhere: index `slots` is dropped.
-        new_state = conv_state.at[jnp.where(inside, indices, slots)].set(new_rows, mode="drop")
+        y = zero_padding_rows(y, indices)
+        new_state = write_slots(conv_state, indices, new_rows)
     return (y[:, 0] if one_token else y), new_state
+
+
+# The pool's slots are read and written along its first axis only, so these serve any
+# slot layout: this module's (state_len, D) and causal-conv1d's (D, state_len) alike.
+
+
+def read_slots(conv_state: jax.Array, indices: jax.Array) -> jax.Array:
+    """Row ``b``'s slot ``conv_state[indices[b]]``, NaN for an index outside ``[0, S)``.
+
+    ``conv_state: (S, *slot)``, ``indices: (B,)`` signed integers (checked by
+    :func:`check_state_indices`); returns ``(B, *slot)``. NaN, not a clipped slot, so a
+    traced index out of range shows in the outputs instead of reading another row's state.
+    """
+    slots = conv_state.shape[0]
+    indices, inside = _in_pool(indices, slots)
+    rows = jnp.take(conv_state, jnp.clip(indices, 0, slots - 1), axis=0)
+    inside = inside.reshape(inside.shape + (1,) * (rows.ndim - 1))
+    return jnp.where(inside, rows, jnp.full((), jnp.nan, rows.dtype))
+
+
+def write_slots(conv_state: jax.Array, indices: jax.Array, new_rows: jax.Array) -> jax.Array:
+    """The pool with ``new_rows[b]`` in slot ``indices[b]``; rows without a slot (padding, out of range) write nowhere."""
+    slots = conv_state.shape[0]
+    indices, inside = _in_pool(indices, slots)
+    return conv_state.at[jnp.where(inside, indices, slots)].set(new_rows, mode="drop")
+
+
+def _in_pool(indices: jax.Array, slots: int) -> tuple[jax.Array, jax.Array]:
+    """``indices`` widened to hold ``slots`` (the index a scatter drops), and where they name a slot."""
+    indices = indices.astype(jnp.promote_types(indices.dtype, jnp.int32))
+    return indices, (indices >= 0) & (indices < slots)
+
+
+def zero_padding_rows(y: jax.Array, indices: jax.Array) -> jax.Array:
+    """``y (B, ...)`` with the rows of :data:`PAD_SLOT_ID` set to zeros, as causal-conv1d's kernel writes them."""
+    pad = (indices == PAD_SLOT_ID).reshape((-1,) + (1,) * (y.ndim - 1))
+    return jnp.where(pad, jnp.zeros((), y.dtype), y)
 
 
 def _is_traced(value) -> bool:
@@ -157,7 +190,7 @@ def _check_pool(conv_state, window: int, d: int, dtype, batch: int | None):
     return shape[0], shape[1]
 
 
-def _check_row_values(name: str, value, batch: int, kinds: str):
+def check_row_values(name: str, value, batch: int, kinds: str):
     """One value per row: ``(B,)`` of a dtype kind in ``kinds`` (``"iu"`` integers, ``"b"`` bools)."""
     if not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
         value = jnp.asarray(value)
@@ -172,7 +205,7 @@ def _check_row_values(name: str, value, batch: int, kinds: str):
     return value
 
 
-def _check_state_indices(state_indices, batch: int, slots: int):
+def check_state_indices(state_indices, batch: int, slots: int):
     """``(B,)`` integers; concrete ones in ``[0, slots)`` or :data:`PAD_SLOT_ID`, no slot twice."""
     if not isinstance(state_indices, (jax.Array, jax.ShapeDtypeStruct)):
         state_indices = jnp.asarray(state_indices)

@@ -4,7 +4,7 @@
 * :mod:`.backends`: the implementations table (:data:`IMPLEMENTATIONS`, :data:`PREFERENCE`);
 * :mod:`.spec`: the validated problem (:class:`~.spec.ConvSpec`), and :mod:`.layout`,
   lax's dimension orders, input dilation and batch groups around it;
-* :mod:`.problem`: the 2-D problem every kernel backend reads (active taps only);
+* :mod:`.kernel_problem`: the 2-D problem every kernel backend reads (active taps only);
 * :mod:`.maps`: the three linear maps as primitives, differentiable to any order;
 * :mod:`.reference`: the float64 oracle and the leaky ``lax.conv(kernel * mask)`` baseline;
 * :mod:`.decode`: decode caches, one position at a time;

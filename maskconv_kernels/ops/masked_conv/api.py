@@ -33,15 +33,25 @@ def implementation_for(spec, platform: str | None = None, interpret: bool = Fals
     return _backends.choose(spec, _backends.lowering_platform(platform), interpret).name
 
 
+def _one_spelling(name: str, value, lax_name: str, lax_value):
+    """``value`` or ``lax_value``: one argument under its name here and lax's; ``None`` is "not given"."""
+    if value is not None and lax_value is not None:
+        raise TypeError(
+            f"masked_conv() got both {name}={value!r} and {lax_name}={lax_value!r}, which are one argument "
+            f"({lax_name} is lax.conv_general_dilated's name for {name}): pass one of them"
+        )
+    return lax_value if value is None else value
+
+
 def masked_conv(
     x: jax.typing.ArrayLike,
     kernel: jax.typing.ArrayLike,
-    mask,
+    mask=None,
     *,
-    strides=1,
+    strides=None,
     padding="SAME",
-    dilation=1,
-    lhs_dilation=1,
+    dilation=None,
+    lhs_dilation=None,
     feature_group_count: int = 1,
     batch_group_count: int = 1,
     dimension_numbers=None,
@@ -51,6 +61,8 @@ def masked_conv(
     interpret: bool = False,
     config=None,
     segment_ids: jax.typing.ArrayLike | None = None,
+    window_strides=None,
+    rhs_dilation=None,
 ) -> jax.Array:
     """Exact masked convolution: masked taps are never read.
 
@@ -65,13 +77,15 @@ def masked_conv(
         is exact), the output has ``x``'s dtype and each gradient its operand's.
       mask: static bools or 0/1 of shape ``window`` (one bit per tap; the kernel's spatial
         dims in the kernel's order) or the kernel's shape (channel-partial taps). Must not
-        be traced.
-      strides: int or one int per spatial dim.
+        be traced. ``None`` (the default): every tap is active, as in the Flax and Equinox
+        modules.
+      strides: int or one int per spatial dim (``None``: 1); lax's ``window_strides``.
       padding: ``"SAME"``, ``"SAME_LOWER"``, ``"VALID"``, ``"CAUSAL"`` (1-D only, as in
         flax: output t sees inputs up to t) or one ``(lo, hi)`` pair per spatial dim. Pairs
         apply to the dilated input; strings need ``lhs_dilation=1``, as in lax.
-      dilation: kernel dilation (lax's ``rhs_dilation``), int or one int per spatial dim.
-      lhs_dilation: input dilation, int or one int per spatial dim: ``d - 1`` zeros
+      dilation: kernel dilation, int or one int per spatial dim (``None``: 1); lax's
+        ``rhs_dilation``.
+      lhs_dilation: input dilation, int or one int per spatial dim (``None``: 1): ``d - 1`` zeros
         between input pixels, so a transposed convolution (computed on the dilated input,
         the zeros included).
       feature_group_count, batch_group_count: as in ``lax.conv_general_dilated`` (at most
@@ -97,6 +111,9 @@ def masked_conv(
         Selected, never multiplied, so no value (NaN included) crosses a segment boundary.
         Needs an output on the input's grid (stride 1, a size-preserving padding, no input
         dilation or batch groups).
+      window_strides, rhs_dilation: ``lax.conv_general_dilated``'s names for ``strides``
+        and ``dilation``, so that its keyword calls port unchanged; give one spelling of
+        each. lax's other keywords are spelt as here.
 
     Returns:
       ``(N // batch_group_count, *out_spatial, C_out)``, in the order ``dimension_numbers``
@@ -106,13 +123,16 @@ def masked_conv(
       whose gradient is exactly 0.0, and the gradient of masked kernel entries is exactly 0.0.
 
     Raises:
-      ValueError, TypeError: bad arguments (the message names the argument).
+      ValueError, TypeError: bad arguments (the message names the argument); TypeError
+        for both spellings of one argument (``strides`` and ``window_strides``, say).
       NotImplementedError: the requested implementation does not support this problem
         (when called), or cannot run on a platform the function is lowered for (when
         lowered; e.g. a GPU backend lowered for CPU without ``interpret=True``).
     """
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be True or False, got {interpret!r}")
+    strides = _one_spelling("strides", strides, "window_strides", window_strides)
+    dilation = _one_spelling("dilation", dilation, "rhs_dilation", rhs_dilation)
     x, kernel = as_operand("x", x), as_operand("kernel", kernel)
     spec = make_spec(
         x, kernel, mask, strides=strides, padding=padding, dilation=dilation,

@@ -33,7 +33,7 @@ so that XLA splits it along the batch like a native op.
 
 The backend supplies its three kernels and its support check (:mod:`.backends`); the
 1-D lift, the fixed-order sum of weight-gradient splits and the scatter of active-tap
-weight gradients into the dense kernel gradient happen here (:mod:`.problem`).
+weight gradients into the dense kernel gradient happen here (:mod:`.kernel_problem`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from jax.interpreters import ad
 from ..._core import primitives as prims
 from ..._core.registry import BATCH, Implementation
 from . import backends as _backends
-from .problem import KernelProblem, kernel_problem, lift, scatter_taps, sum_in_order
+from .kernel_problem import KernelProblem, kernel_problem, lift, scatter_taps, sum_in_order
 from .spec import ConvSpec
 
 __all__ = ["Call", "Job", "masked_conv", "conv_p", "conv_dx_p", "conv_dk_p"]  # the single-device flavour

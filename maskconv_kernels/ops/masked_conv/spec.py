@@ -113,13 +113,17 @@ def make_spec(
     """Validates the arguments of :func:`maskconv_kernels.masked_conv` into a ``ConvSpec``.
 
     ``x`` and ``kernel`` may be anything with ``shape`` and ``dtype`` or array-likes
-    (:func:`as_operand`). ``segmented``: ``segment_ids`` are given (their values are
-    checked by :func:`as_segment_ids`). Every error names the argument and what it
-    accepts. The shapes checked after ``dimension_numbers`` are those of the
+    (:func:`as_operand`). ``mask=None`` makes every tap active; ``None`` strides and
+    dilations are 1, as lax's ``None`` dilations. ``segmented``: ``segment_ids`` are
+    given (their values are checked by :func:`as_segment_ids`). Every error names the
+    argument and what it accepts; those about channels also say how x and the kernel
+    were read (channels-last unless ``dimension_numbers`` says otherwise). The shapes checked after ``dimension_numbers`` are those of the
     channels-last problem (:mod:`maskconv_kernels.layout`).
     """
     x, kernel = as_operand("x", x), as_operand("kernel", kernel)
     x_dtype, k_dtype = float_dtype("x must have", x.dtype), float_dtype("kernel must have", kernel.dtype)
+    if len(kernel.shape) in (3, 4, 5) and len(x.shape) == len(kernel.shape) - 1:
+        raise ValueError(_unbatched(tuple(x.shape), tuple(kernel.shape), dimension_numbers))
     if len(x.shape) not in (3, 4, 5):
         raise ValueError(
             f"x must be (N, *spatial, C_in) with 1, 2 or 3 spatial dims (rank 3-5), got shape {tuple(x.shape)}"
@@ -130,10 +134,14 @@ def make_spec(
             f"kernel must be (*window, C_in // groups, C_out) with {ndim} window dims to match x of shape "
             f"{tuple(x.shape)}, got shape {tuple(kernel.shape)}"
         )
+    # lax's None for the dilations (and, here, the strides) is 1 in every dim.
+    strides, dilation, lhs_dilation = (1 if v is None else v for v in (strides, dilation, lhs_dilation))
     layout = _layout(x.shape, kernel.shape, dimension_numbers, lhs_dilation, batch_group_count, feature_group_count)
+    read_as = _read_as(tuple(x.shape), tuple(kernel.shape), layout, dimension_numbers)
     x = jax.ShapeDtypeStruct(layout.x_shape(x.shape), x_dtype)
     kernel = jax.ShapeDtypeStruct(layout.kernel_shape(kernel.shape), k_dtype)
-    mask = layout.mask(mask)
+    # No mask: every tap active (a plain convolution, with the contract's other guarantees).
+    mask = np.ones(kernel.shape[:-2], bool) if mask is None else layout.mask(mask)
     if any(k < 1 for k in kernel.shape[:-2]):
         raise ValueError(f"kernel window must be at least 1 in every spatial dim, got kernel shape {tuple(kernel.shape)}")
     groups = feature_group_count
@@ -148,12 +156,13 @@ def make_spec(
         )
     if c_in % groups or c_out % groups:
         raise ValueError(
-            f"feature_group_count={groups} must divide both C_in={c_in} and C_out={c_out}"
+            f"feature_group_count={groups} must divide both C_in={c_in} and C_out={c_out} ({read_as})"
         )
     if kernel.shape[-2] * groups != c_in:
+        axis = "kernel.shape[-2]" if layout.is_channels_last else f"kernel.shape[{layout.rhs[1]}]"
         raise ValueError(
             f"kernel has {kernel.shape[-2]} input channels but x has C_in={c_in} with feature_group_count="
-            f"{groups}: expected kernel.shape[-2] == {c_in // groups}"
+            f"{groups}: expected {axis} == {c_in // groups} ({read_as})"
         )
     mask = as_mask(mask, tuple(kernel.shape))
     window = mask.window
@@ -175,6 +184,47 @@ def make_spec(
     if segmented:
         _check_segmented(spec)
     return spec
+
+
+def _axes(shape: tuple[int, ...], spec: tuple[int, ...], names: tuple[str, ...]) -> str:
+    """``shape`` with each axis named, as ``spec`` (lax's axis order: batch or out, channels, spatial) orders them."""
+    named = [""] * len(shape)
+    for axis, name in zip(spec, names):
+        named[axis] = name
+    return f"{tuple(shape)} is read as ({', '.join(named)})"
+
+
+def _read_as(x_shape, kernel_shape, layout: Layout, value) -> str:
+    """How x and the kernel were read, and how to give another layout: the tail of a channel error."""
+    ndim = len(x_shape) - 2
+    spatial = tuple(dimension_numbers(ndim)[0][1:-1])
+    read = (
+        f"x {_axes(x_shape, layout.lhs, ('N', 'C_in', *spatial))} and the kernel "
+        f"{_axes(kernel_shape, layout.rhs, ('C_out', 'C_in // groups', *spatial))}"
+    )
+    if value is not None:
+        return f"{read}, as dimension_numbers={value!r} gives"
+    first = "".join(spatial)
+    return (
+        f"{read}: channels-last, the default; for another layout pass dimension_numbers as lax takes it, e.g. "
+        f"dimension_numbers={('NC' + first, 'OI' + first, 'NC' + first)} for channels-first x and kernel"
+    )
+
+
+def _unbatched(x_shape, kernel_shape, value) -> str:
+    """The error for an x one axis short of the kernel's rank: a single example, without its batch axis."""
+    batch = 0
+    if isinstance(value, lax.ConvDimensionNumbers):
+        batch = int(value.lhs_spec[0])
+    elif isinstance(value, (tuple, list)) and value and isinstance(value[0], str) and "N" in value[0]:
+        batch = value[0].index("N")
+    add = "x[None]" if batch == 0 else f"jnp.expand_dims(x, {batch})"
+    layout = "(N, *spatial, C_in)" if value is None else f"(the N of dimension_numbers={value!r})"
+    window = len(kernel_shape) - 2
+    return (
+        f"x needs a batch axis {layout}: {add} gives one. x has shape {x_shape}, one axis short of the kernel's "
+        f"{kernel_shape} ({window} window dim{'s' if window > 1 else ''})"
+    )
 
 
 def _check_segmented(spec: ConvSpec) -> None:

@@ -26,12 +26,9 @@ class Config:
         tiles into (each one program, its weight-gradient partial sum added in a fixed
         order afterwards); ``None``: enough programs to fill every SM four times.
 
-    The defaults, from ptxas at sm_90a (bfloat16 and float32, width 4, SiLU, segment ids
-    and a state): the forward at 32 x 128 and 4 warps holds 32 values of a tile per
-    thread (88 to 154 registers, no spills; 64 x 128 needs 235 to 255); the backward
-    keeps ``2W - 1`` input tiles and ``W`` cotangent tiles live, and ptxas gives it all
-    255 registers at any tile: 16 x 64 at 2 warps (16 values a thread) spills nothing,
-    32 x 128 at 4 warps spills 1.4 KB.
+    The defaults are the largest tiles that compile for sm_90a without register spills
+    (the forward holds 32 values of a tile per thread; the backward keeps ``2W - 1``
+    input tiles and ``W`` cotangent tiles live); the ptxas figures are in the design notes.
     """
 
     block_positions: int = 32

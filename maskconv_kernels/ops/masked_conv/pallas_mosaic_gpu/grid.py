@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from ...._core.tiling import round_up
-from ..problem import KernelProblem
+from ..kernel_problem import KernelProblem
 
 __all__ = [
     "Grid", "CHUNK", "forward_grid", "weight_grad_grid", "input_grad_grid", "channel_mask", "copies", "crop", "rows_of",

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...._core.tiling import cdiv, round_up
-from ..problem import KernelProblem, Piece
+from ..kernel_problem import KernelProblem, Piece
 from .config import Config, weight_grad_splits
 
 __all__ = ["Geometry", "forward", "input_grad", "weight_grad"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...._core.hardware import COMPUTE_CAPABILITY
-from ..problem import KernelProblem, kernel_problem
+from ..kernel_problem import KernelProblem, kernel_problem
 from ..spec import ConvSpec
 from . import config as _config
 from .config import Config, Launch

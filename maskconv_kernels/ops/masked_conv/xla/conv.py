@@ -223,11 +223,10 @@ def _forward(x, kernel, spec: ConvSpec, strategy: str, segment_ids=None):
     return out
 
 
-# XLA:CPU's convolution of a 1- or 2-tap window costs about what a 3-tap one does
-# (measured on a 2-core x86 CPU, C=128: 1x2 conv 10 ms, 1x2 im2col GEMM 6 ms), so
+# XLA:CPU's convolution of a 1- or 2-tap window costs about what a 3-tap one does, so
 # such small boxes beside others go through the im2col GEMM even on the "conv"
 # strategy. A lone box (WaveNet's 2 taps) stays a convolution: the GEMM's patch copy
-# made that 0.6-0.8x of lax.conv in float32.
+# costs more than it saves there (docs/design/cpu_strategies.md).
 _MIN_CONV_TAPS = 3
 
 
