@@ -44,7 +44,7 @@ from maskconv_kernels.bench.shapes import HEADLINE_SHAPES
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Tiles, grid
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.config import stages, weight_grad_splits
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.kernels import weight_grad_chunk
-from maskconv_kernels.ops.masked_conv.problem import kernel_problem
+from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
 from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 PEAK = 720e12  # bf16 FLOP/s, 8192^3 matmul on the H200 (NOTES.md)
