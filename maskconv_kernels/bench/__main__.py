@@ -14,6 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from .timing import preset_name
+
 # mode -> (module, what it measures)
 MODES = {
     "conv": ("conv", "masked_conv against lax.conv_general_dilated(x, kernel * mask) at layers of PixelCNN, "
@@ -144,20 +146,9 @@ def main(argv=None) -> int:
         return _module(args.mode).run(args)
     args.prefix = prefix(args, jax.default_backend())
     print(f"maskconv-kernels benchmark {args.mode}: writing {args.prefix}.* "
-          f"(estimate: {ESTIMATES.get((args.mode, _preset(args)), 'not measured for this preset')})",
+          f"(estimate: {ESTIMATES.get((args.mode, preset_name(args, jax.default_backend())), 'not measured for this preset')})",
           file=sys.stderr, flush=True)
     return _module(args.mode).run(args)
-
-
-def _preset(args) -> str:
-    if getattr(args, "quick", False):
-        return "quick"
-    preset = getattr(args, "preset", None)
-    if preset == "auto":
-        import jax
-
-        return "gpu" if jax.default_backend() == "gpu" else "cpu"
-    return preset or "full"
 
 
 if __name__ == "__main__":

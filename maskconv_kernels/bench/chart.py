@@ -1,11 +1,15 @@
-"""The masked convolution benchmark's chart: baseline time / implementation time, per shape.
+"""The benchmarks' files and the masked convolution chart.
 
-One bar per implementation, a panel per dtype and mode, on a log axis centred on 1x.
-Needs matplotlib (the ``bench`` extra); without it the benchmarks write no chart and say so.
+:func:`publish` prints a benchmark's tables and writes them (and its chart) beside its
+rows; :func:`chart` draws baseline time / implementation time per shape, one bar per
+implementation, a panel per dtype and mode, on a log axis centred on 1x. Charts need
+matplotlib (the ``bench`` extra); without it the benchmarks write no chart and say so.
 """
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
 from .machine import short_commit
 from .shapes import SHAPES
@@ -18,6 +22,24 @@ def chart_unavailable() -> str | None:
     if importlib.util.find_spec("matplotlib") is None:
         return "matplotlib is not installed; pip install 'maskconv-kernels[bench]' adds it"
     return None
+
+
+def publish(text: str, rows: list[dict], out, chart_too: bool, draw_fn=None) -> None:
+    """Prints ``text``; with ``out`` (a path prefix), writes it to ``out.md`` and, if asked, the chart to ``out.png``."""
+    if out is not None:
+        Path(f"{out}.md").write_text(text)
+        if chart_too and draw_fn is not None:
+            draw(draw_fn, rows, Path(f"{out}.png"))
+    print(text)
+
+
+def draw(draw_fn, rows: list[dict], path) -> None:
+    """``draw_fn(rows, path)`` (a matplotlib chart), or a line on stderr saying why there is none."""
+    why = chart_unavailable()
+    if why:
+        print(f"no chart: {why}", file=sys.stderr)
+    else:
+        draw_fn(rows, path)
 
 
 def chart(rows: list[dict], path) -> None:

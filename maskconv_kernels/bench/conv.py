@@ -42,9 +42,11 @@ from .. import leaks
 from ..ops.masked_conv import backends, masked_conv
 from ..ops.masked_conv.reference import leaky_masked_conv
 from ..ops.masked_conv.spec import make_spec
+from .chart import chart, draw
 from .machine import cache_bytes, header, metadata
 from .shapes import SHAPES, BenchShape
-from .timing import DTYPES, Preset, measure_peak, memory, n_input_sets, quantile, time_interleaved
+from .timing import (DTYPES, Preset, add_grid_arguments, measure_peak, memory, n_input_sets, preset_name, quantile,
+                     time_interleaved)
 
 BASELINE = "baseline"
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -389,26 +391,13 @@ def summary(rows: list[dict]) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                        help="cpu: every shape at a small batch, float32 and bfloat16; gpu: device-filling "
-                        "batches, bfloat16, float32 and float16; quick: two shapes, seconds; auto (default): "
-                        "gpu on a GPU, cpu elsewhere")
-    parser.add_argument("--quick", action="store_true", help="same as --preset quick")
-    parser.add_argument("--shapes", help="a regular expression on shape names (see --list-shapes)")
+    add_grid_arguments(parser, PRESETS, "cpu: every shape at a small batch, float32 and bfloat16; gpu: "
+                       "device-filling batches, bfloat16, float32 and float16; quick: two shapes, seconds",
+                       "a regular expression on shape names (see --list-shapes)", MODES)
     parser.add_argument("--list-shapes", action="store_true", help="print the shapes and exit")
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", choices=MODES)
     parser.add_argument("--implementations", nargs="+", metavar="NAME", choices=list(backends.IMPLEMENTATIONS),
                         help=f"masked_conv implementations to time, of {list(backends.IMPLEMENTATIONS)} (default: "
                         "every one that runs compiled here; the baseline always runs)")
-    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
-                        help="stop starting new cells after S seconds (the most important cells run first)")
-
-
-def preset_name(args, platform_name: str) -> str:
-    if args.quick:
-        return "quick"
-    return args.preset if args.preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
 
 
 def run(args) -> int:
@@ -475,13 +464,7 @@ def write_outputs(rows: list[dict], out: Path | None, chart_too: bool = True) ->
         Path(f"{out}.md").write_text(head + "\n\n## Forward + backward, side by side\n\n" + overview
                                      + "\n\n## All rows\n\n" + table + "\n\n## Summary\n\n" + summ + "\n")
         if chart_too:
-            from .chart import chart, chart_unavailable
-
-            why = chart_unavailable()
-            if why:
-                print(f"no chart: {why}", file=sys.stderr)
-            else:
-                chart(rows, Path(f"{out}.png"))
+            draw(chart, rows, Path(f"{out}.png"))
     print(head + "\n")
     print(table)
     print("\n## Summary\n")

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .chart import publish
 from .machine import header, metadata, short_commit
 
 
@@ -239,17 +240,7 @@ def is_rows(rows: list[dict]) -> bool:
 def write_outputs(rows: list[dict], out: Path | None, chart_too: bool = True) -> None:
     """Prints the table; with ``out``, writes ``out.md`` and (``chart_too``) ``out.png`` too."""
     text = "# Generation time, naive vs decode caches\n\n" + header(rows) + "\n\n" + table(rows)
-    if out is not None:
-        Path(f"{out}.md").write_text(text)
-        if chart_too:
-            from .chart import chart_unavailable
-
-            why = chart_unavailable()
-            if why:
-                print(f"no chart: {why}", file=sys.stderr)
-            else:
-                plot(rows, Path(f"{out}.png"))
-    print(text)
+    publish(text, rows, out, chart_too, plot)
 
 
 def add_arguments(parser) -> None:

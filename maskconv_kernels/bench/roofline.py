@@ -45,6 +45,7 @@ from ..ops.masked_conv import masked_conv, xla
 from ..ops.masked_conv.reference import leaky_masked_conv
 from ..ops.masked_conv.spec import make_spec
 from .conv import PRESETS
+from .chart import publish
 from .machine import header, loadavg, metadata
 from .shapes import ROOFLINE_SHAPES, BenchShape
 from .timing import DTYPES, Preset, memory, quantile, time_interleaved
@@ -223,10 +224,7 @@ def is_rows(rows: list[dict]) -> bool:
 
 def write_outputs(rows: list[dict], out: Path | None, chart_too: bool = False) -> None:
     """Prints the tables; with ``out``, writes ``out.md`` too (the roofline draws no chart)."""
-    text = header(rows) + "\n\n" + table(rows)
-    if out is not None:
-        Path(f"{out}.md").write_text(text + "\n")
-    print(text)
+    publish(header(rows) + "\n\n" + table(rows) + "\n", rows, out, chart_too=False)
 
 
 def add_arguments(parser) -> None:

@@ -42,8 +42,9 @@ import numpy as np
 from jax import lax
 
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from .chart import publish
 from .machine import header, metadata
-from .timing import DTYPES, Preset, memory, quantile, time_interleaved
+from .timing import DTYPES, Preset, add_grid_arguments, memory, preset_name, quantile, time_interleaved
 
 MODES = ("fwd", "bwd", "fwd+bwd", "decode")
 OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
@@ -315,37 +316,20 @@ def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
              for r in rows if "max_abs_diff_vs_shift" in r]
     if diffs:
         text += f"\nmax |difference| from {SHIFT}: " + "; ".join(diffs) + "\n"
-    if out is not None:
-        Path(f"{out}.md").write_text(text)
-        if chart_too:
-            from .chart import chart_unavailable
-
-            why = chart_unavailable()
-            if why:
-                print(f"no chart: {why}", file=sys.stderr)
-            else:
-                chart(rows, Path(f"{out}.png"))
-    print(text)
+    publish(text, rows, out, chart_too, chart)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                        help="cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu: Mamba-2 and "
-                        "gated-DeltaNet layers at 2k-8k tokens; quick: one tiny shape, the fused kernels "
-                        "interpreted off a GPU; auto (default): gpu on a GPU, cpu elsewhere")
-    parser.add_argument("--quick", action="store_true", help="same as --preset quick")
-    parser.add_argument("--shapes", help="a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)")
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
-    parser.add_argument("--modes", nargs="+", choices=MODES)
-    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
-                        help="stop starting new cells after S seconds (the most informative cells run first)")
+    add_grid_arguments(parser, PRESETS, "cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu: "
+                       "Mamba-2 and gated-DeltaNet layers at 2k-8k tokens; quick: one tiny shape, the fused kernels "
+                       "interpreted off a GPU", "a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)",
+                       MODES)
 
 
 def run(args) -> int:
     """Times the grid; rows to ``args.prefix``.jsonl as they come, then the tables and the chart."""
     platform_name = jax.default_backend()
-    name = "quick" if args.quick else (
-        args.preset if args.preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu"))
+    name = preset_name(args, platform_name)
     preset, shapes = PRESETS[name]
     if args.dtypes:
         preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Preset", "DTYPES", "time_interleaved", "quantile", "measure_peak", "memory", "n_input_sets"]
+__all__ = ["Preset", "DTYPES", "add_grid_arguments", "preset_name", "time_interleaved", "quantile", "measure_peak",
+           "memory", "n_input_sets"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -36,6 +37,28 @@ class Preset:
     max_input_sets: int  # inputs rotated among this many copies when they fit in cache
     peak_n: int  # square matmul size for the measured peak (0: not measured)
     shapes: tuple[str, ...] | None = None  # names; None: all
+
+
+def add_grid_arguments(parser, presets, preset_help: str, shapes_help: str, modes) -> None:
+    """The options of a benchmark that sweeps shapes x dtypes x modes under a preset."""
+    parser.add_argument("--preset", choices=["auto", *presets], default="auto",
+                        help=f"{preset_help}; auto (default): gpu on a GPU, cpu elsewhere")
+    parser.add_argument("--quick", action="store_true", help="same as --preset quick")
+    parser.add_argument("--shapes", help=shapes_help)
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
+    parser.add_argument("--modes", nargs="+", choices=modes)
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="stop starting new cells after S seconds (the most important cells run first)")
+
+
+def preset_name(args, platform_name: str) -> str:
+    """The preset ``args`` ask for: ``--quick``, ``--preset``, or by the platform (``auto``)."""
+    if getattr(args, "quick", False):
+        return "quick"
+    preset = getattr(args, "preset", None)
+    if preset is None:
+        return "full"
+    return preset if preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
 
 
 def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float]]:
