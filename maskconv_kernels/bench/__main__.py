@@ -144,11 +144,17 @@ def main(argv=None) -> int:
     args.command = "python -m maskconv_kernels.bench " + shlex.join(argv)
     if getattr(args, "list_shapes", False):
         return _module(args.mode).run(args)
-    args.prefix = prefix(args, jax.default_backend())
-    print(f"maskconv-kernels benchmark {args.mode}: writing {args.prefix}.* "
-          f"(estimate: {ESTIMATES.get((args.mode, preset_name(args, jax.default_backend())), 'not measured for this preset')})",
+    platform_name = jax.default_backend()
+    args.prefix = prefix(args, platform_name)
+    estimate = ESTIMATES.get((args.mode, preset_name(args, platform_name)), "not measured for this preset")
+    print(f"maskconv-kernels benchmark {args.mode}: writing {args.prefix}.* (estimate: {estimate})",
           file=sys.stderr, flush=True)
-    return _module(args.mode).run(args)
+    try:
+        return _module(args.mode).run(args)
+    finally:
+        folder = args.prefix.parent
+        if not args.out and not any(folder.iterdir()):  # a run that wrote nothing leaves no folder behind
+            folder.rmdir()
 
 
 if __name__ == "__main__":

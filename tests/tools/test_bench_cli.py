@@ -79,9 +79,13 @@ def test_render_says_what_it_cannot_read(tmp_path, capsys):
         cli.main(["render", str(tmp_path / "missing.jsonl")])
 
 
-def test_decode_needs_the_examples_and_says_where_it_looked(tmp_path):
+def test_decode_needs_the_examples_and_says_where_it_looked(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"no examples folder was found at .*--examples"):
         decode.load_examples(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="run it from a clone"):
+        cli.main(["decode", "--quick", "--examples", str(tmp_path / "nowhere")])
+    assert not list(tmp_path.iterdir())  # the run wrote nothing, so it left no folder
 
 
 def test_the_commit_is_claimed_only_from_a_checkout(tmp_path, monkeypatch):
