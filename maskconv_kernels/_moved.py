@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 
 __all__ = ["MOVED", "install"]
@@ -66,7 +67,9 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.import_module(_target(spec.name))
 
     def exec_module(self, module):
-        pass  # already executed under its new name
+        # Already executed under its new name; importlib has just set its __spec__ to the
+        # old path's: give it back its own, so reload() and introspection see the new one.
+        module.__spec__ = importlib.util.find_spec(module.__name__)
 
 
 def install() -> None:
