@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import sys
 
 __all__ = ["MOVED", "install"]
@@ -64,12 +63,14 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self, is_package=is_package)
 
     def create_module(self, spec):
-        return importlib.import_module(_target(spec.name))
+        module = importlib.import_module(_target(spec.name))
+        self._own_spec = module.__spec__
+        return module
 
     def exec_module(self, module):
         # Already executed under its new name; importlib has just set its __spec__ to the
         # old path's: give it back its own, so reload() and introspection see the new one.
-        module.__spec__ = importlib.util.find_spec(module.__name__)
+        module.__spec__ = self._own_spec
 
 
 def install() -> None:
