@@ -5,14 +5,15 @@
 #
 # Stages, each under its own timeout so that one slow stage cannot eat the others:
 #   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
-#   2. the benchmark grid against cuDNN, most important cells first, with a
-#      time budget (python -m maskconv_kernels.bench conv --preset gpu; no
-#      chart: render redraws it from the rows)                              -> <gpu>.jsonl/.md
-#   3. causal_conv1d's fused Pallas kernels beside the XLA shift-and-add and
+#   2. the leak report's experiments, lax.conv/cuDNN beside masked_conv
+#      (python -m maskconv_kernels): the most informative minute, first    -> leak_report.json
+#   3. the benchmark grid against cuDNN, the headline shapes' fwd+bwd for the
+#      default backend first, with a time budget (python -m
+#      maskconv_kernels.bench conv --preset gpu; no chart: render redraws
+#      it from the rows)                                                    -> <gpu>.jsonl/.md
+#   4. causal_conv1d's fused Pallas kernels beside the XLA shift-and-add and
 #      cuDNN's depthwise convolution at Mamba-2/GDN shapes, each with the HBM
 #      roofline (python -m maskconv_kernels.bench sequence)                 -> short_conv.jsonl
-#   4. the leak report's experiments, lax.conv/cuDNN beside masked_conv
-#      (python -m maskconv_kernels)                                         -> leak_report.json
 #   5. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
 #   6. per-kernel timings on the headline shapes: cuDNN's fwd/dx/dw beside
@@ -93,23 +94,23 @@ STATUS[env]=$?
 [ "${STATUS[env]}" = 0 ] || { echo "no usable jax on a GPU: stopping"; exit 1; }
 TAG=$(echo "${GPU_NAME:-cpu}" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//')
 
-stage "2. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
+stage "2. the leak report's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
+STATUS[leak_report]=$?
+
+stage "3. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
 # shellcheck disable=SC2086
 # stdout (the table) is re-rendered below; of stderr keep the progress bar's last state and any traceback.
 timeout "$BENCH_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench conv --preset gpu --time-budget "$BENCH_BUDGET" \
   --no-chart --out "$OUT" --name "$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
 STATUS[bench]=${PIPESTATUS[0]}
 
-stage "3. causal_conv1d's fused kernels, the shift-and-add and cuDNN depthwise (budget ${SHORT_CONV_BUDGET}s, limit ${SHORT_CONV_TIMEOUT}s)"
+stage "4. causal_conv1d's fused kernels, the shift-and-add and cuDNN depthwise (budget ${SHORT_CONV_BUDGET}s, limit ${SHORT_CONV_TIMEOUT}s)"
 # Its table is printed again in the summary.
 timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench sequence --preset gpu \
   --time-budget "$SHORT_CONV_BUDGET" --no-chart --out "$OUT" --name short_conv | tail -3
 STATUS[short_conv]=${PIPESTATUS[0]}
 rm -f "$OUT/short_conv.md"  # its table is in the log (the summary); the device returns 8 files at most
-
-stage "4. the leak report's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
-timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
-STATUS[leak_report]=$?
 
 stage "5. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
 PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
