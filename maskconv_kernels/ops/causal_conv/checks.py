@@ -90,26 +90,9 @@ class Problem:
         """How many frames before an output's own the convolution reads: ``(k_T - 1) * d_T``."""
         return (self.window[0] - 1) * self.dilation[0]
 
-    @property
-    def out_frames(self) -> int:
-        """``floor((T - 1) / s_T) + 1``: one output per stride, the last at or before frame ``T - 1``
-        (``T * s_T`` for the transposed convolution)."""
-        if self.transposed:
-            return self.frames * self.stride
-        return (self.frames - 1) // self.stride + 1
-
-    @property
-    def head(self) -> int:
-        """The outputs whose window reaches before frame 0: ``ceil(context / s_T)``, at most all of them."""
-        return min(-(-self.context // self.stride), self.out_frames)
-
     def frame_shape(self) -> tuple[int, ...]:
         """One frame of x, channels-last, without the batch: ``(*spatial, C_in)``."""
         return (*self.spatial, self.c_in)
-
-
-def _time_first_pads(problem_pads, context: int):
-    return ((context, 0), *problem_pads)
 
 
 def make_problem(
@@ -222,7 +205,7 @@ def make_problem(
     try:
         spec = make_spec(
             x_cl, k_cl, np.ones(k_cl.shape[:-2], bool), strides=spec_strides, dilation=spec_dilation,
-            padding=_time_first_pads(pads, context), feature_group_count=feature_group_count, precision=precision,
+            padding=((context, 0), *pads), feature_group_count=feature_group_count, precision=precision,
             preferred_element_type=acc, segmented=ids is not None,
         )
     except (TypeError, ValueError) as e:

@@ -51,6 +51,25 @@ def _tap_product(x_taps, k_tap, groups: int):
     return np.einsum("...gi,igo->...go", xg, kg).reshape(*x_taps.shape[:-1], c_out)
 
 
+def _add_tap(y, x, k_tap, t_index, t_valid, spatial, ids, out_ids, groups):
+    """``y`` plus one tap's products: frame ``t_index`` (where ``t_valid``) at each axis' pixel
+    (where valid), in the output's clip (``out_ids``) when there are clips."""
+    valid = _valid(t_valid, spatial)
+    valid = np.broadcast_to(valid, (x.shape[0], *valid.shape))
+    if ids is not None:
+        valid = valid & (_gather(ids, t_index, spatial) == out_ids)
+    term = np.where(valid[..., None], _tap_product(_gather(x, t_index, spatial), k_tap, groups), 0.0)
+    return term if y is None else y + term
+
+
+def _finish(y, bias, out_ids):
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    if out_ids is not None:
+        y = np.where((out_ids >= 0)[..., None], y, 0.0)
+    return y
+
+
 def _resolved(x, kernel, strides, dilation, padding):
     ndim = x.ndim - 2
     window = kernel.shape[:-2]
@@ -74,7 +93,7 @@ def causal_conv_reference(
     """
     x, kernel = np.asarray(x, np.float64), np.asarray(kernel, np.float64)
     window, s, d, pads = _resolved(x, kernel, strides, dilation, padding)
-    n, frames = x.shape[:2]
+    frames = x.shape[1]
     context = (window[0] - 1) * d[0]
     out_frames = (frames - 1) // s[0] + 1
     ids = None if segment_ids is None else np.asarray(segment_ids, np.int64)
@@ -84,17 +103,8 @@ def causal_conv_reference(
         t_valid = source >= 0 if padding_mode == "zeros" else np.ones(out_frames, bool)
         t_index = np.clip(source, 0, frames - 1)
         spatial = _spatial_sources(x.shape[2:-1], window[1:], s[1:], d[1:], pads, tap[1:])
-        valid = np.broadcast_to(_valid(t_valid, spatial), (n, *_valid(t_valid, spatial).shape))
-        if ids is not None:
-            valid = valid & (_gather(ids, t_index, spatial) == ids)
-        term = _tap_product(_gather(x, t_index, spatial), kernel[tap], feature_group_count)
-        term = np.where(valid[..., None], term, 0.0)
-        y = term if y is None else y + term
-    if bias is not None:
-        y = y + np.asarray(bias, np.float64)
-    if ids is not None:
-        y = np.where((ids >= 0)[..., None], y, 0.0)
-    return y
+        y = _add_tap(y, x, kernel[tap], t_index, t_valid, spatial, ids, ids, feature_group_count)
+    return _finish(y, bias, ids)
 
 
 def causal_conv_transpose_reference(
@@ -114,7 +124,7 @@ def causal_conv_transpose_reference(
         strides = (int(strides), *(1,) * (x.ndim - 3))  # time's factor; the other axes stride 1
     window, s, d, pads = _resolved(x, kernel, strides, dilation, padding)
     factor = s[0]
-    n, frames = x.shape[:2]
+    frames = x.shape[1]
     out = frames * factor
     ids = None if segment_ids is None else np.asarray(segment_ids, np.int64)
     out_ids = None if ids is None else np.repeat(ids, factor, axis=1)
@@ -127,14 +137,5 @@ def causal_conv_transpose_reference(
         t_valid = writes & ((t >= 0) if padding_mode == "zeros" else np.ones(out, bool))
         t_index = np.clip(t, 0, frames - 1)
         spatial = _spatial_sources(x.shape[2:-1], window[1:], s[1:], d[1:], pads, tap[1:])
-        valid = np.broadcast_to(_valid(t_valid, spatial), (n, *_valid(t_valid, spatial).shape))
-        if ids is not None:
-            valid = valid & (_gather(ids, t_index, spatial) == out_ids)
-        term = _tap_product(_gather(x, t_index, spatial), kernel[tap], feature_group_count)
-        term = np.where(valid[..., None], term, 0.0)
-        y = term if y is None else y + term
-    if bias is not None:
-        y = y + np.asarray(bias, np.float64)
-    if out_ids is not None:
-        y = np.where((out_ids >= 0)[..., None], y, 0.0)
-    return y
+        y = _add_tap(y, x, kernel[tap], t_index, t_valid, spatial, ids, out_ids, feature_group_count)
+    return _finish(y, bias, out_ids)

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from . import phases
-from .api import TimeConv, finish, time_conv, transposed_phases
+from .api import finish, time_conv, transposed_phases
 from .checks import OpError, Problem, make_problem
 
 __all__ = [
