@@ -9,23 +9,24 @@ it runs the stream with one jitted step per chunk shape and the full pass jitted
 prints whether the concatenated chunks are the full pass's bits, else the largest
 difference in units of the output dtype's ulp at the output's scale and the bound the
 suites hold them to (``TOLERANCE[dtype] * sqrt(reduction) * max|x| * max|k|``, for each
-of the two against float64). The table is what docs/causal_conv.md reports.
+of the two against float64). The table is what docs/causal_conv.md and docs/design/causal_conv.md report; on a GPU it
+answers the same question for the compiled kernels (``benchmarks/gpu_check.sh`` may run it).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import maskconv_kernels as mk
+from maskconv_kernels.bench.machine import header, metadata
 from maskconv_kernels.ops.causal_conv import IMPLEMENTATIONS, backends
 from maskconv_kernels.ops.causal_conv.checks import make_problem
 from maskconv_kernels.ops.masked_conv.backends import lowering_platform
-
-from .run import header, metadata
 
 TOLERANCE = {np.dtype("float32"): 2.0**-20, np.dtype(jnp.bfloat16): 2.0**-7}  # tests/support/numerics.py's
 
@@ -123,7 +124,8 @@ def main(argv=None):
                 rows.append((implementation, layer.name, str(dtype), result))
                 print(f"| {implementation} | {layer.name} | {dtype} | " + " | ".join(result.values()) + " |", flush=True)
     print()
-    print(header([metadata("causal_conv_exactness")]).replace("python -m benchmarks.run", "python -m benchmarks.causal_conv_exactness"))
+    command = " ".join(["python -m benchmarks.causal_conv_exactness", *(argv if argv is not None else sys.argv[1:])])
+    print(header([metadata("causal_conv_exactness", command)]))
     print()
     print("| implementation | layer | dtype | " + " | ".join(schedules(17, 1)) + " |")
     print("|---|---|---|---|---|---|")
