@@ -68,6 +68,15 @@ def test_each_interpreted_kernel_backend_smoke(name):
     np.testing.assert_array_equal(bits(jnp.concatenate([y0, y1], axis=1)), bits(y))
 
 
+def test_xla_float64_with_x64():
+    case = CASES[6]  # 2-D, feature groups, replicate
+    with jax.enable_x64(True):
+        x, k, b = (jnp.asarray(a, jnp.float64) for a in case.inputs(42, F32))
+        y = mk.causal_conv(x, k, b, **case.kw)
+        assert y.dtype == jnp.float64
+        assert_close(y, causal_conv_reference(x, k, b, **case.kw), np.float64, case.reduction() + 1, scale(x, k) + 0.5)
+
+
 def _poisoned(x, cut: int, value: float):
     """x with every frame from ``cut`` on replaced by ``value`` (NaN or inf)."""
     return x.at[:, cut:].set(jnp.asarray(value, x.dtype))
