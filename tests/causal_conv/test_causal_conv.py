@@ -40,7 +40,7 @@ def test_matches_the_definition(causal, case):
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=str)
-@pytest.mark.parametrize("case", [CASES[0], CASES[8]], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [CASES[0], pytest.param(CASES[8], marks=pytest.mark.slow)], ids=lambda c: c.name)
 def test_xla_every_dtype_and_mixed_weights(case, dtype):
     x, k, b = case.inputs(1, dtype)
     y = mk.causal_conv(x, k, b, **case.kw)

@@ -110,6 +110,7 @@ def test_a_stack_of_causal_convs_with_rms_norm_passes(video):
     assert report.passed and len(report.audited) == x.shape[1]
 
 
+@pytest.mark.slow
 def test_strided_encoders_and_upsampling_decoders_pass_on_the_input_grid():
     x = random(56, (1, 17, 4), np.float32)
     k_down = random(57, (4, 4, 4), np.float32, scale=0.5)  # k = 2 s: EnCodec's downsampling conv
