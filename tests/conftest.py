@@ -1,11 +1,13 @@
 """The suites' fixtures: ``conv``, the masked_conv implementation under test (every one its
-registry holds that runs here), and the hypothesis profiles. Helpers live in :mod:`support`."""
+registry holds that runs here), ``causal``, causal_conv's, and the hypothesis profiles.
+Helpers live in :mod:`support`."""
 from __future__ import annotations
 
 import os
 
 import pytest
 from hypothesis import settings
+from support.causal import IMPLS, impl_params
 from support.implementations import BACKENDS, Named, backend_params
 
 # Hypothesis: a few examples per backend in the README's test command, more in the slow
@@ -18,3 +20,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 @pytest.fixture(params=backend_params())
 def conv(request):
     return Named(request.param, BACKENDS[request.param])
+
+
+@pytest.fixture(params=impl_params())
+def causal(request):
+    return IMPLS[request.param]

@@ -6,5 +6,7 @@ string, with its frozen ``Config``.
 * :mod:`.masked_conv`: exact masked convolutions (``xla``, ``pallas_triton``, ``triton``,
   ``pallas_mosaic_gpu``);
 * :mod:`.causal_conv1d`: the short causal convolutions of sequence models (``xla``,
-  ``pallas_triton``).
+  ``pallas_triton``);
+* :mod:`.causal_conv`: causal convolutions over time for video and audio tokenizers,
+  streamed chunk by chunk (``masked_conv``'s implementations).
 """

@@ -1,0 +1,242 @@
+"""``causal_conv``'s problem: its arguments checked once, in its own words, into a frozen :class:`Problem`.
+
+Everything after the checks is channels-last: ``x (N, T, *spatial, C_in)``, ``kernel
+(k_T, *k_spatial, C_in // groups, C_out)``, ``segment_ids (N, T, *spatial)``; the
+caller's ``dimension_numbers`` are a :class:`~maskconv_kernels.ops.masked_conv.layout.Layout`
+applied on the way in and out. Time is the first spatial axis.
+
+The problem carries the :class:`~maskconv_kernels.ops.masked_conv.spec.ConvSpec` of the
+convolution it runs (time padded ``((k_T - 1) * d_T, 0)``, the caller's padding on the
+other axes, every tap active), which is what ``masked_conv``'s implementations are asked
+about: an implementation that cannot take it says why, and ``causal_conv`` says it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._core.args import as_operand, as_segment_ids, float_dtype, ints, is_int, padding_pairs
+from ..masked_conv.layout import Layout
+from ..masked_conv.spec import ConvSpec, make_spec
+
+__all__ = ["PADDING_MODES", "Problem", "make_problem", "OpError"]
+
+PADDING_MODES = ("zeros", "replicate")
+
+
+class OpError:
+    """Raises errors in an op's words: ``causal_conv: ...`` (or ``causal_conv_stream: ...``)."""
+
+    def __init__(self, op: str):
+        self.op = op
+
+    def value(self, message: str) -> ValueError:
+        return ValueError(f"{self.op}: {message}")
+
+    def type(self, message: str) -> TypeError:
+        return TypeError(f"{self.op}: {message}")
+
+    def reworded(self, error: Exception) -> Exception:
+        """A shared normaliser's error (it names the argument) with the op in front."""
+        return type(error)(f"{self.op}: {error}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Everything static about one causal convolution along time (hashable).
+
+    Shapes are channels-last. ``strides[0]``, ``dilation[0]`` and ``window[0]`` are
+    time's; ``pads`` the other axes' ``(lo, hi)`` pairs. For :func:`causal_conv_transpose`
+    (``transposed``) ``strides[0]`` is the upsampling factor and ``spec`` is the
+    convolution of its first phase (:mod:`.phases`).
+    """
+
+    batch: int
+    frames: int
+    spatial: tuple[int, ...]  # the non-time spatial sizes
+    c_in: int
+    c_out: int
+    window: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilation: tuple[int, ...]
+    pads: tuple[tuple[int, int], ...]
+    padding_mode: str
+    groups: int
+    segmented: bool
+    has_bias: bool
+    transposed: bool
+    x_dtype: np.dtype
+    kernel_dtype: np.dtype
+    bias_dtype: np.dtype | None
+    acc_dtype: np.dtype
+    precision: object
+    layout: Layout  # the caller's layout (dimension_numbers)
+    spec: ConvSpec  # the convolution masked_conv runs, channels-last
+
+    @property
+    def ndim(self) -> int:
+        """Spatial axes, time included (1: audio, 2: spectrograms, 3: video)."""
+        return len(self.window)
+
+    @property
+    def stride(self) -> int:
+        return self.strides[0]
+
+    @property
+    def context(self) -> int:
+        """How many frames before an output's own the convolution reads: ``(k_T - 1) * d_T``."""
+        return (self.window[0] - 1) * self.dilation[0]
+
+    def frame_shape(self) -> tuple[int, ...]:
+        """One frame of x, channels-last, without the batch: ``(*spatial, C_in)``."""
+        return (*self.spatial, self.c_in)
+
+
+def make_problem(
+    op: str,
+    x,
+    kernel,
+    bias=None,
+    segment_ids=None,
+    *,
+    strides=1,
+    dilation=1,
+    padding="SAME",
+    padding_mode="zeros",
+    feature_group_count=1,
+    dimension_numbers=None,
+    precision=None,
+    transposed: bool = False,
+):
+    """The arguments checked: ``(problem, x, kernel, bias, segment_ids)``, channels-last arrays.
+
+    ``op`` names the function in every error (``"causal_conv"``, ``"causal_conv_stream"``,
+    ...). The arrays may be tracers; shapes and dtypes are checked, values are not.
+    """
+    err = OpError(op)
+    x, kernel = as_operand("x", x), as_operand("kernel", kernel)
+    bias = None if bias is None else as_operand("bias", bias)
+    if len(x.shape) not in (3, 4, 5):
+        hint = ": x needs a batch axis and a channel axis, x[None, :, None] gives (1, T, 1)" if len(x.shape) == 1 else (
+            ": x needs a batch axis (x[None]) or a channel axis (x[..., None])" if len(x.shape) == 2 else "")
+        raise err.value(
+            f"x must be (N, T, *spatial, C_in), channels-last, with time and at most two more spatial axes "
+            f"(rank 3 to 5: audio (N, T, C), spectrograms (N, T, F, C), video (N, T, H, W, C)), got shape "
+            f"{tuple(x.shape)}{hint}"
+        )
+    if padding_mode not in PADDING_MODES:
+        raise err.value(
+            f"padding_mode must be 'zeros' (frames before 0 are zeros) or 'replicate' (copies of frame 0), got "
+            f"{padding_mode!r}" + (
+                ": 'reflect' reads frames after 0, which a causal convolution must not see" if padding_mode in (
+                    "reflect", "circular", "symmetric") else ""))
+    ndim = len(x.shape) - 2
+    if len(kernel.shape) != ndim + 2:
+        raise err.value(
+            f"kernel must be (k_T, *k_spatial, C_in // groups, C_out) with {ndim} window axes to match x of shape "
+            f"{tuple(x.shape)}, got shape {tuple(kernel.shape)}"
+        )
+    try:
+        # The caller's layout and the shared checks (dtypes, channels, groups); a full
+        # mask of ones in the kernel's own order, and no padding yet, whose pairs need
+        # the channels-last window.
+        caller = make_spec(
+            x, kernel, np.ones(kernel.shape, bool), strides=1, padding="VALID",
+            feature_group_count=feature_group_count, dimension_numbers=dimension_numbers,
+        )
+    except (TypeError, ValueError) as e:
+        raise err.reworded(e) from None
+    layout = caller.layout
+    x_shape, k_shape = layout.x_shape(x.shape), layout.kernel_shape(kernel.shape)
+    window = tuple(int(k) for k in k_shape[:-2])
+    batch, frames, *spatial = (int(n) for n in x_shape[:-1])
+    if frames < 1:
+        raise err.value(f"x needs at least one frame (time is axis 1 of (N, T, *spatial, C_in)), got shape "
+                        f"{tuple(x.shape)}")
+    if transposed and is_int(strides):
+        strides = (strides, *(1,) * (ndim - 1))  # an upsampling factor for time; the other axes keep stride 1
+    try:
+        strides_ = ints("strides", strides, ndim)
+        dilation_ = ints("dilation", dilation, ndim)
+        pads = padding_pairs(
+            padding, window[1:], strides=strides_[1:], dilation=dilation_[1:], in_spatial=tuple(spatial),
+            names=("SAME", "VALID"),
+        )
+    except (TypeError, ValueError) as e:
+        raise err.reworded(e) from None
+    if transposed:
+        if any(s != 1 for s in strides_[1:]):
+            raise err.value(
+                f"strides={strides!r}: the transposed convolution upsamples time only (strides[0] frames out per "
+                "frame in); the other axes take stride 1"
+            )
+        if dilation_[0] != 1:
+            raise err.value(f"dilation={dilation!r}: the transposed convolution takes no time dilation "
+                            "(dilation[0] must be 1); the other axes may be dilated")
+    c_in, c_out = int(x_shape[-1]), int(k_shape[-1])
+    if bias is not None and tuple(bias.shape) != (c_out,):
+        raise err.value(f"bias must be (C_out,) = ({c_out},), got shape {tuple(bias.shape)}")
+    bias_dtype = None
+    if bias is not None:
+        try:
+            bias_dtype = float_dtype("bias must have", bias.dtype)
+        except TypeError as e:
+            raise err.reworded(e) from None
+    ids = None
+    if segment_ids is not None:
+        try:
+            ids = layout.segment_ids(as_segment_ids(segment_ids, layout.segment_ids_shape(x.shape)))
+        except (TypeError, ValueError) as e:
+            raise err.reworded(e) from None
+        _check_segmented(err, strides_, pads, window, dilation_, padding_mode, transposed)
+    x_cl = jax.ShapeDtypeStruct(x_shape, x.dtype)
+    k_cl = jax.ShapeDtypeStruct(k_shape, kernel.dtype)
+    acc = np.dtype(jnp.promote_types(jnp.float32, jnp.promote_types(x.dtype, kernel.dtype)))
+    if transposed:
+        # What the implementations are asked about: a phase's stride-1 causal convolution.
+        first_phase = -(-window[0] // strides_[0])
+        k_cl = jax.ShapeDtypeStruct((first_phase, *k_shape[1:]), kernel.dtype)
+        spec_strides, spec_dilation, context = (1, *strides_[1:]), dilation_, first_phase - 1
+    else:
+        spec_strides, spec_dilation, context = strides_, dilation_, (window[0] - 1) * dilation_[0]
+    try:
+        spec = make_spec(
+            x_cl, k_cl, np.ones(k_cl.shape[:-2], bool), strides=spec_strides, dilation=spec_dilation,
+            padding=((context, 0), *pads), feature_group_count=feature_group_count, precision=precision,
+            preferred_element_type=acc, segmented=ids is not None,
+        )
+    except (TypeError, ValueError) as e:
+        raise err.reworded(e) from None
+    problem = Problem(
+        batch=batch, frames=frames, spatial=tuple(spatial), c_in=c_in, c_out=c_out, window=window,
+        strides=strides_, dilation=dilation_, pads=pads, padding_mode=padding_mode,
+        groups=int(feature_group_count), segmented=ids is not None, has_bias=bias is not None,
+        transposed=bool(transposed), x_dtype=np.dtype(x.dtype), kernel_dtype=np.dtype(kernel.dtype),
+        bias_dtype=bias_dtype, acc_dtype=acc, precision=spec.precision, layout=layout, spec=spec,
+    )
+    return problem, layout.x(x), layout.kernel(kernel), bias, ids
+
+
+def _check_segmented(err, strides, pads, window, dilation, padding_mode, transposed) -> None:
+    """Packed clips need an output per input frame and pixel, each with its input's clip."""
+    if padding_mode != "zeros":
+        raise err.value(
+            "segment_ids take padding_mode='zeros' (a clip's first frames see zeros before it, as when it runs "
+            "alone); with 'replicate' they would need copies of each clip's own first frame: run the clips one "
+            "by one, or pack them with 'zeros'"
+        )
+    if not transposed and strides[0] != 1:
+        raise err.value(
+            f"segment_ids need strides[0] = 1 (output frame t belongs to the clip of input frame t), got strides "
+            f"{strides}: a strided layer of packed clips would need each clip to start on a multiple of the stride"
+        )
+    if any(s != 1 for s in strides[1:]) or any(
+        lo + hi != (k - 1) * d for (lo, hi), k, d in zip(pads, window[1:], dilation[1:])
+    ):
+        raise err.value(
+            "segment_ids name x's positions, so the other axes need an output on the input's grid: strides 1 and "
+            f"padding='SAME' (or pairs summing to the dilated window - 1), got strides {strides} and pads {pads}"
+        )
