@@ -100,15 +100,15 @@ class Registry:
     def check(self, name: str, problem: Any, interpret: bool, config: Any) -> Implementation:
         """The named implementation, if it takes ``problem`` and ``config`` (the platform is asked when lowered)."""
         implementation = self.get(name)
-        reason = implementation.unsupported(problem, None, interpret)
-        if reason is not None:
-            raise NotImplementedError(f'{self.op}(implementation="{name}") does not support this problem: {reason}')
         cls = implementation.config_class()
         if config is not None and not isinstance(config, cls):
             raise TypeError(
                 f'{self.op}(implementation="{name}") takes config={cls.__module__}.{cls.__qualname__}(...) or None, '
                 f"got {type(config).__name__}"
             )
+        reason = implementation.unsupported(problem, None, interpret)
+        if reason is not None:
+            raise NotImplementedError(f'{self.op}(implementation="{name}") does not support this problem: {reason}')
         return implementation
 
     def choose(self, problem: Any, platform: str, interpret: bool = False) -> Implementation:
