@@ -14,9 +14,11 @@ and says, per lowering platform, which kernel lowers it. What this module adds, 
   ``check_vma`` is on, and its interpreter's loops mix varying and plain carries);
 * the warnings a kernel's lowering raises on purpose (the Pallas Triton deprecation),
   filtered while, and only while, it is lowered;
-* the ordered IO effect of an interpreter made of host callbacks (Mosaic GPU's), declared
-  so the kernel is traced inline with its tokens threaded, never run as a nested
-  computation inside a callback (that nesting deadlocks XLA:CPU's thread pools);
+* the ordered effect of an interpreter made of host callbacks (Mosaic GPU's), declared
+  as :data:`INTERPRETER_EFFECTS` so the kernel is traced inline with its tokens threaded,
+  never run as a nested computation inside a callback (that nesting deadlocks XLA:CPU's
+  thread pools), and so ``jax.checkpoint`` may recompute it (a simulated GPU has no side
+  effect to repeat, where a user's ``io_callback`` may);
 * batching: a map over the examples alone folds into the batch; anything else maps;
 * batch partitioning of kernel calls on several devices (:mod:`.partitioning`).
 
@@ -37,6 +39,7 @@ from jax import lax
 from jax._src import config as _config
 from jax._src import core as _jcore
 from jax._src import dispatch as _dispatch
+from jax._src import effects as _effects
 from jax._src.interpreters import mlir as _mlir
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
@@ -46,7 +49,7 @@ from . import partitioning
 
 __all__ = [
     "PALLAS_TRITON_DEPRECATION", "primitive", "def_abstract_eval", "bind", "register_lowering", "kernel_rule",
-    "def_batching", "zeros_varying", "ordered_io_effects", "several_devices",
+    "def_batching", "zeros_varying", "INTERPRETER_EFFECTS", "several_devices",
 ]
 
 # What the Pallas Triton lowering warns since jax 0.11 (filtered while our kernels lower).
@@ -97,11 +100,36 @@ def zeros_varying(shape, dtype, like) -> jax.Array:
     return _jcore.auto_insert_reshard(like, jnp.zeros(shape, dtype))[1]
 
 
+class _InterpreterEffect(_effects.Effect):
+    """The ordered effect of a kernel interpreted by host callbacks, as a primitive carries it.
+
+    Mosaic GPU's interpreter orders its simulated threads' ``io_callback``s with an
+    ``OrderedIOEffect`` token. Our primitives carry this effect instead, and
+    :func:`kernel_rule` hands its token to the interpreter's callbacks: the order is the
+    same, but unlike a user's ``io_callback`` the kernel is a pure function of its
+    operands, so rematerialisation (``jax.checkpoint``), custom derivatives and control
+    flow may repeat or move it.
+    """
+
+    def __str__(self):
+        return "KernelInterpreter"
+
+
+_INTERPRETER = _InterpreterEffect()
+for _set in (_effects.lowerable_effects, _effects.ordered_effects, _effects.control_flow_allowed_effects,
+             _effects.remat_allowed_effects, _effects.custom_derivatives_allowed_effects):
+    _set.add_type(_InterpreterEffect)
+
+# What an op's primitives declare when an interpreter made of host callbacks may lower them.
+INTERPRETER_EFFECTS = frozenset({_INTERPRETER})
+
+
 @functools.lru_cache(maxsize=None)
-def ordered_io_effects() -> frozenset:
-    """The effects of an ordered ``io_callback``: what Mosaic GPU's interpreter carries."""
+def _ordered_io_effect():
+    """The effect of an ordered ``io_callback``: what Mosaic GPU's interpreter threads."""
     jaxpr = jax.make_jaxpr(lambda: io_callback(lambda: np.int32(0), jax.ShapeDtypeStruct((), np.int32), ordered=True))()
-    return frozenset(jaxpr.effects)
+    (effect,) = jaxpr.effects
+    return effect
 
 
 def register_lowering(prim: Primitive, rule_for: Callable[..., Callable], effects: Callable | None = None) -> None:
@@ -133,12 +161,16 @@ def kernel_rule(
 
     def rule(ctx, *operands):
         plain = ctx.replace(avals_in=[_jcore.ShapedArray(a.shape, a.dtype, weak_type=a.weak_type) for a in ctx.avals_in])
+        carried = ctx.tokens_in is not None and _INTERPRETER in ctx.tokens_in.effects()
+        if carried:  # the interpreter's callbacks thread our token as theirs
+            plain = plain.replace(tokens_in=_mlir.TokenSet({_ordered_io_effect(): ctx.tokens_in.get(_INTERPRETER)}))
         with warnings.catch_warnings(), _config._check_vma(False):
             for message in lowering_warnings:
                 warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
             out = (split if split is not None and several_devices(plain) else lowered)(plain, *operands)
-        if plain.tokens_out is not None:  # an effectful kernel threaded the tokens through the copy
-            ctx.set_tokens_out(plain.tokens_out)
+        if carried:
+            threaded = plain.tokens_out.get(_ordered_io_effect()) if plain.tokens_out is not None else None
+            ctx.set_tokens_out(_mlir.TokenSet({_INTERPRETER: threaded if threaded is not None else ctx.tokens_in.get(_INTERPRETER)}))
         return out
 
     return rule

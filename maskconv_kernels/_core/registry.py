@@ -37,7 +37,7 @@ class Implementation:
       interpreter: how its ``interpret=True`` mode runs: ``None`` (traced inline, as
         Pallas' Triton interpreter is), ``"callback"`` (a host callback:
         ``jax.pure_callback``, Triton's interpreter in a worker process) or ``"effects"``
-        (inline, carrying the ordered IO effect of Mosaic GPU's interpreter, whose
+        (inline, carrying the ordered effect of Mosaic GPU's interpreter, whose
         simulated threads are host callbacks). Interpreted calls are not partitioned:
         host code gains nothing from it, and a callback inside ``custom_partitioning``
         segfaults on several CPU devices (jax 0.10.2 and 0.12.0).

@@ -187,11 +187,11 @@ def _out_shape(kind: str, a, call: Call) -> tuple[int, ...]:
 
 
 def _effects(call: Call, out_dtype) -> frozenset:
-    """The ordered IO effect of an interpreter made of host callbacks, when one may lower this call."""
+    """The ordered effect of an interpreter made of host callbacks, when one may lower this call."""
     if not call.interpret:
         return frozenset()
     candidates = [call.backend] if call.backend is not None else [_backends.BACKENDS[n] for n in _backends.PREFERENCE]
-    return prims.ordered_io_effects() if any(b.interpreter == "effects" for b in candidates) else frozenset()
+    return prims.INTERPRETER_EFFECTS if any(b.interpreter == "effects" for b in candidates) else frozenset()
 
 
 for _prim, _kind in _KIND.items():

@@ -155,7 +155,7 @@ def _allowed(p) -> np.ndarray | None:
 
 
 # The three kernels ..maps lowers, on the 2-D problem. Interpreted, they are traced inline:
-# Mosaic GPU's interpreter carries an ordered IO effect, which the primitives declare
+# Mosaic GPU's interpreter carries an ordered effect, which the primitives declare
 # (the backend record's interpreter="effects").
 
 
