@@ -11,8 +11,11 @@ and unbatched, as Equinox's: ``x: (C_in, *spatial)``, ``weight: (C_out, C_in // 
 Equinox has no masked convolution; the usual one is ``eqx.nn.Conv`` with ``weight *
 mask``, which reads every tap, so ``0 * NaN`` under a masked tap reaches the output.
 These call :func:`maskconv_kernels.masked_conv` with ``dimension_numbers`` for
-Equinox's layout: masked taps are never read. Needs the ``equinox`` extra; the core
-package does not import equinox.
+Equinox's layout: masked taps are never read.
+
+``CausalConv``: :func:`maskconv_kernels.causal_conv` with ``eqx.nn.Conv``'s parameters,
+in the same layout, streamed through an ``eqx.nn.State``. Needs the ``equinox`` extra;
+the core package does not import equinox.
 """
 from __future__ import annotations
 
@@ -23,15 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from maskconv_kernels._core.args import as_segment_ids
+from maskconv_kernels._core.args import as_segment_ids, is_int
 from maskconv_kernels._extras import require
 from maskconv_kernels.masks import Mask, as_mask
+from maskconv_kernels.ops.causal_conv import causal_conv, causal_conv_stream, causal_conv_stream_init
 from maskconv_kernels.ops.masked_conv import masked_conv
 from maskconv_kernels.ops.masked_conv.layout import Layout
 
 eqx = require("equinox", "equinox", "maskconv_kernels.equinox")
 
-__all__ = ["Conv", "MaskedConv", "Conv1d", "Conv2d", "Conv3d"]
+__all__ = ["Conv", "MaskedConv", "Conv1d", "Conv2d", "Conv3d", "CausalConv"]
 
 _PAD_MODES = {"REFLECT": "reflect", "REPLICATE": "edge", "CIRCULAR": "wrap"}
 
@@ -40,6 +44,20 @@ def _dimension_numbers(ndim: int) -> tuple[str, str, str]:
     """Equinox's layout, lax's default: ``("NCHW", "OIHW", "NCHW")`` in 2-D."""
     spatial = "DHW"[-ndim:]
     return ("NC" + spatial, "OI" + spatial, "NC" + spatial)
+
+
+def _check_rank(x, num_spatial_dims: int, name: str) -> None:
+    if x.ndim != num_spatial_dims + 1:
+        raise ValueError(
+            f"Input to {name} needs to have rank {num_spatial_dims + 1} ((in_channels, *spatial), unbatched, "
+            f"as equinox.nn.Conv), but input has shape {x.shape}: vmap over a batch"
+        )
+
+
+def _example_segment_ids(segment_ids, x_shape) -> jax.Array:
+    """``(*spatial)`` ids for ``x (in_channels, *spatial)``, with the batch axis of one example."""
+    what = "x's spatial shape (x is (in_channels, *spatial), unbatched)"
+    return as_segment_ids(segment_ids, tuple(x_shape[1:]), what)[None]
 
 
 def _static_mask(mask, kernel_size: tuple[int, ...], weight_shape: tuple[int, ...]) -> Mask | None:
@@ -128,11 +146,7 @@ class Conv(eqx.nn.Conv):
         border (wrapped, mirrored or repeated), positions that no document owns.
         """
         del key
-        if x.ndim != self.num_spatial_dims + 1:
-            raise ValueError(
-                f"Input to Conv needs to have rank {self.num_spatial_dims + 1} ((in_channels, *spatial), unbatched, "
-                f"as equinox.nn.Conv), but input has shape {x.shape}: vmap over a batch"
-            )
+        _check_rank(x, self.num_spatial_dims, "Conv")
         if segment_ids is not None:
             segment_ids = self._segment_ids(segment_ids, x.shape)
         padding = self.padding
@@ -154,8 +168,7 @@ class Conv(eqx.nn.Conv):
                 "values (wrapped, mirrored or repeated), which belong to no position of a document; use "
                 "padding_mode='ZEROS'"
             )
-        what = "x's spatial shape (x is (in_channels, *spatial), unbatched)"
-        return as_segment_ids(segment_ids, tuple(x_shape[1:]), what)[None]
+        return _example_segment_ids(segment_ids, x_shape)
 
     def _pad(self, x: jax.Array) -> jax.Array:
         """Equinox's non-zero padding modes: copies of real values, so no masked tap is read after it."""
@@ -202,3 +215,169 @@ def _fixed_rank(ndim: int) -> type[Conv]:
 
 
 Conv1d, Conv2d, Conv3d = (_fixed_rank(n) for n in (1, 2, 3))
+
+
+class CausalConv(eqx.nn.StatefulLayer):
+    """A causal convolution over time with ``eqx.nn.Conv``'s parameters: :func:`maskconv_kernels.causal_conv`.
+
+    Channels-first and unbatched, as Equinox's: ``x (in_channels, T, *spatial)``, time
+    the first spatial axis. Output frame ``t`` reads input frames ``t * s_T - (k_T - 1) *
+    d_T .. t * s_T`` and nothing later (before frame 0: zeros, or copies of frame 0 with
+    ``padding_mode="replicate"``). The leaves are ``eqx.nn.Conv``'s, ``weight (out_channels,
+    in_channels // groups, k_T, *k_spatial)`` and ``bias (out_channels, 1, ..., 1)``, drawn
+    by Equinox's own initialisation from the same key, so an ``eqx.nn.Conv`` of the same
+    kernel size that was made causal by padding its input by hand loads unchanged.
+
+    Streaming threads an ``eqx.nn.State``, as ``eqx.nn.BatchNorm`` does: built with
+    ``stream=True`` through ``eqx.nn.make_with_state``, the layer holds the
+    :class:`~maskconv_kernels.ops.causal_conv.CausalConvState` before a stream (from
+    :func:`maskconv_kernels.ops.causal_conv.causal_conv_stream_init`) in an
+    ``eqx.nn.StateIndex``, and ``y, state = layer(x_chunk, state)`` takes the next chunk
+    (:func:`maskconv_kernels.causal_conv_stream`: the first any length, later ones
+    multiples of ``s_T``); ``layer(x)`` without a state is the full pass. The state is one
+    example's (``jax.vmap`` both the chunks and the state over a batch)::
+
+        >>> import equinox as eqx, jax, jax.numpy as jnp
+        >>> from maskconv_kernels import equinox as mk_eqx
+        >>> layer, state = eqx.nn.make_with_state(mk_eqx.CausalConv)(
+        ...     1, 4, 8, 3, stride=2, stream=True, key=jax.random.key(0))   # audio: k 3, stride 2
+        >>> x = jnp.ones((4, 9))                                             # (C_in, T)
+        >>> y0, state = layer(x[:, :1], state)
+        >>> y1, state = layer(x[:, 1:], state)
+        >>> jnp.concatenate([y0, y1], axis=1).shape, layer(x).shape
+        ((8, 5), (8, 5))
+
+    Args:
+      num_spatial_dims, in_channels, out_channels, kernel_size, stride, dilation, groups,
+      use_bias, dtype, key: as in ``equinox.nn.Conv``, time the first spatial axis.
+      padding: the non-time axes' only: ``"SAME"`` (the default, not Equinox's ``0``:
+        a video layer keeps its frame size), ``"VALID"``, an int, or one int or
+        ``(lo, hi)`` pair per non-time axis. Time's is the layer's own,
+        ``((k_T - 1) * d_T, 0)``.
+      padding_mode: the frames before frame 0: ``"zeros"`` or ``"replicate"`` (Equinox's
+        ``"ZEROS"`` and ``"REPLICATE"`` spell the same); the other axes are zero-padded.
+      stream: hold a stream's state (an ``eqx.nn.StateIndex``), so that the layer takes
+        ``(x_chunk, state)``; then ``spatial_shape`` is the chunks' non-time spatial
+        sizes (``(H, W)`` for video, ``(F,)`` for a spectrogram, ``()`` for audio) and
+        their dtype the weight's.
+      segmented: the stream's chunks all come with ``segment_ids``.
+      implementation: ``None`` (per platform) or one of
+        :data:`maskconv_kernels.ops.causal_conv.IMPLEMENTATIONS`.
+      interpret: run a kernel implementation in its interpreter.
+    """
+
+    weight: jax.Array
+    bias: jax.Array | None
+    state_index: eqx.nn.StateIndex | None
+    num_spatial_dims: int = eqx.field(static=True)
+    in_channels: int = eqx.field(static=True)
+    out_channels: int = eqx.field(static=True)
+    kernel_size: tuple[int, ...] = eqx.field(static=True)
+    stride: tuple[int, ...] = eqx.field(static=True)
+    padding: str | tuple[tuple[int, int], ...] = eqx.field(static=True)
+    dilation: tuple[int, ...] = eqx.field(static=True)
+    groups: int = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+    padding_mode: str = eqx.field(static=True)
+    implementation: str | None = eqx.field(static=True)
+    interpret: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        num_spatial_dims: int,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int],
+        stride: int | Sequence[int] = 1,
+        padding: str | int | Sequence[int] | Sequence[tuple[int, int]] = "SAME",
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        use_bias: bool = True,
+        padding_mode: str = "zeros",
+        dtype=None,
+        *,
+        stream: bool = False,
+        spatial_shape: Sequence[int] = (),
+        segmented: bool = False,
+        implementation: str | None = None,
+        interpret: bool = False,
+        key: jax.Array,
+    ):
+        spatial_shape = tuple(spatial_shape)
+        if stream and len(spatial_shape) != num_spatial_dims - 1:
+            raise ValueError(
+                f"stream=True needs spatial_shape, the chunks' {num_spatial_dims - 1} non-time spatial sizes "
+                f"(x_chunk is (in_channels, L, *spatial_shape)), got {spatial_shape!r}"
+            )
+        # Equinox's own constructor: its checks, its normalised tuples, its parameters from the key.
+        conv = eqx.nn.Conv(num_spatial_dims, in_channels, out_channels, kernel_size, stride, 0, dilation, groups,
+                           use_bias, dtype=dtype, key=key)
+        self.weight, self.bias = conv.weight, conv.bias
+        self.num_spatial_dims, self.in_channels, self.out_channels = num_spatial_dims, in_channels, out_channels
+        self.kernel_size, self.stride, self.dilation = conv.kernel_size, conv.stride, conv.dilation
+        self.groups, self.use_bias = groups, use_bias
+        self.padding = _non_time_padding(padding, num_spatial_dims - 1)
+        self.padding_mode = padding_mode.lower() if isinstance(padding_mode, str) else padding_mode
+        self.implementation, self.interpret = implementation, interpret
+        self.state_index = None
+        if stream:
+            chunk = (1, in_channels, 1, *spatial_shape)
+            kw = {k: v for k, v in self._kwargs().items() if k not in ("implementation", "interpret")}
+            self.state_index = eqx.nn.StateIndex(causal_conv_stream_init(
+                jax.ShapeDtypeStruct(chunk, self.weight.dtype), self.weight,
+                segment_ids=jax.ShapeDtypeStruct((1, 1, *spatial_shape), jnp.int32) if segmented else None, **kw,
+            ))
+
+    def is_stateful(self) -> bool:
+        """Whether ``eqx.nn.Sequential`` threads a state through it: built with ``stream=True``."""
+        return self.state_index is not None
+
+    def _kwargs(self) -> dict:
+        return dict(
+            strides=self.stride, dilation=self.dilation, padding=self.padding, padding_mode=self.padding_mode,
+            feature_group_count=self.groups, dimension_numbers=_dimension_numbers(self.num_spatial_dims),
+            implementation=self.implementation, interpret=self.interpret,
+        )
+
+    def __call__(self, x: jax.Array, state=None, *, segment_ids: jax.Array | None = None,
+                 key: jax.Array | None = None):
+        """The full pass, ``layer(x) -> y``, or the stream's next chunk, ``layer(x_chunk, state) -> (y, state)``.
+
+        Args:
+          x: ``(in_channels, T, *spatial)``, unbatched (``jax.vmap`` over a batch).
+          state: ``None``, or the ``eqx.nn.State`` holding this layer's stream (its
+            initial one from ``eqx.nn.make_with_state``, then each call's).
+          segment_ids: ``None`` or integers ``(T, *spatial)``: clips packed along time, no
+            tap crossing a clip (negative ids: padding, zero outputs). Needs
+            ``padding_mode="zeros"``, stride 1 and ``"SAME"``; in a stream, with every
+            chunk of a layer built with ``segmented=True``.
+          key: ignored, as in Equinox.
+
+        Returns:
+          ``(out_channels, floor((T - 1) / s_T) + 1, *out_spatial)`` in x's dtype
+          (accumulated in float32, bias included, rounded once); with a state, the chunk's
+          outputs and the new state.
+        """
+        del key
+        _check_rank(x, self.num_spatial_dims, "CausalConv")
+        ids = None if segment_ids is None else _example_segment_ids(segment_ids, x.shape)
+        bias = None if self.bias is None else self.bias.reshape(-1)
+        if state is None:
+            return causal_conv(x[None], self.weight, bias, segment_ids=ids, **self._kwargs())[0]
+        if self.state_index is None:
+            raise ValueError(
+                "this CausalConv holds no stream state: build it with stream=True (and spatial_shape) through "
+                "eqx.nn.make_with_state to call it with one, or call layer(x) for the full pass"
+            )
+        y, new = causal_conv_stream(x[None], state.get(self.state_index), self.weight, bias, segment_ids=ids,
+                                    **self._kwargs())
+        return y[0], state.set(self.state_index, new)
+
+
+def _non_time_padding(padding, n: int):
+    """``padding`` of the non-time axes as :func:`causal_conv` takes it: a string, or ``n`` ``(lo, hi)`` pairs."""
+    if isinstance(padding, str):
+        return padding
+    if is_int(padding):
+        return ((int(padding), int(padding)),) * n
+    return tuple((int(p), int(p)) if is_int(p) else tuple(p) for p in padding)

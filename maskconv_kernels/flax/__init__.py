@@ -5,7 +5,10 @@
 * :class:`ShortConv` and :class:`maskconv_kernels.flax.nnx.ShortConv`: the short causal
   convolution of Mamba / gated DeltaNet layers (``weight``, ``bias``, ``activation``),
   with ``decode=True`` for serving; :func:`from_conv_params` loads a depthwise
-  ``nn.Conv``'s parameters into it (``nnx.ShortConv.from_conv`` an ``nnx.Conv``).
+  ``nn.Conv``'s parameters into it (``nnx.ShortConv.from_conv`` an ``nnx.Conv``);
+* :class:`CausalConv` and :class:`maskconv_kernels.flax.nnx.CausalConv`: a causal
+  convolution over time (:func:`maskconv_kernels.causal_conv`) with ``nn.Conv``'s
+  parameters, for video and audio tokenizers, with ``decode=True`` streaming chunks.
 
 Each ``Conv`` is also importable as ``MaskedConv`` (the same class; ``maskconv_kernels.flax.MaskedConv``
 is the linen one). Both keep the class name, parameter names, shapes and initialisers of
@@ -19,6 +22,6 @@ from maskconv_kernels._extras import require
 require("flax", "flax", "maskconv_kernels.flax")
 
 from maskconv_kernels.flax import linen, nnx  # noqa: E402
-from maskconv_kernels.flax.linen import Conv, MaskedConv, ShortConv, from_conv_params  # noqa: E402
+from maskconv_kernels.flax.linen import CausalConv, Conv, MaskedConv, ShortConv, from_conv_params  # noqa: E402
 
-__all__ = ["Conv", "MaskedConv", "ShortConv", "from_conv_params", "linen", "nnx"]
+__all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv", "from_conv_params", "linen", "nnx"]

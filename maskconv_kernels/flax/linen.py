@@ -13,6 +13,10 @@ convolution mixes neighbouring windows. This module calls
 
 ``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers
 (:func:`maskconv_kernels.short_conv.causal_conv1d`), with ``decode=True`` for serving.
+
+``CausalConv``: ``nn.Conv``'s parameters as a causal convolution over time
+(:func:`maskconv_kernels.causal_conv`) for video and audio tokenizers, with
+``decode=True`` streaming chunks of frames.
 """
 from __future__ import annotations
 
@@ -25,11 +29,11 @@ from flax.linen.dtypes import promote_dtype
 from flax.linen.linear import PaddingLike, default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 
-from maskconv_kernels.flax import _conv, _decode, _short_conv
+from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.flax._short_conv import from_conv_params
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 
-__all__ = ["Conv", "MaskedConv", "ShortConv", "from_conv_params"]
+__all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv", "from_conv_params"]
 
 
 class Conv(nn.Module):
@@ -297,3 +301,111 @@ class ShortConv(nn.Module):
             x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
             implementation=self.implementation,
         )
+
+
+class CausalConv(nn.Module):
+    """A causal convolution over time with ``nn.Conv``'s parameters: :func:`maskconv_kernels.causal_conv`.
+
+    Output frame ``t`` reads input frames ``t * s_T - (k_T - 1) * d_T .. t * s_T`` and
+    nothing later; before frame 0 the input is zeros or copies of frame 0
+    (``padding_mode``). The parameters are ``nn.Conv``'s of the same kernel size, names,
+    shapes and initialisers (``kernel (k_T, *k_spatial, C_in // feature_group_count,
+    features)``, ``bias (features,)``), so an ``nn.Conv`` that was made causal by padding
+    its input by hand loads unchanged: the same ``init`` key gives the same values, and
+    its variables give what it gave on the padded input. (Linen names an unnamed
+    submodule after its class, ``CausalConv_0``: a model swapping it in for ``Conv_0``
+    passes ``name="Conv_0"`` to keep the checkpoint's paths.)::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from maskconv_kernels.flax import CausalConv
+        >>> layer = CausalConv(features=8, kernel_size=(3, 3, 3), strides=(2, 1, 1), padding_mode="replicate")
+        >>> x = jnp.ones((1, 9, 16, 16, 4))                       # (N, T, H, W, C): Wan's 1 + 4 + 4 frames
+        >>> variables = layer.init(jax.random.key(0), x)
+        >>> jax.tree_util.tree_map(jnp.shape, variables)
+        {'params': {'bias': (8,), 'kernel': (3, 3, 3, 4, 8)}}
+        >>> layer.apply(variables, x).shape                         # floor((9 - 1) / 2) + 1 frames
+        (1, 5, 16, 16, 8)
+
+    Attributes:
+      features: ``C_out``.
+      kernel_size: the window ``(k_T, *k_spatial)``, time first (an int: a 1-D, audio, layer).
+      strides: an int (every axis) or one per axis, time first; ``None`` is 1.
+      padding: the non-time axes' only: ``"SAME"``, ``"VALID"``, an int, or one int or
+        ``(lo, hi)`` pair per non-time axis. Time's is the layer's own,
+        ``((k_T - 1) * d_T, 0)``.
+      padding_mode: the frames before frame 0: ``"zeros"`` or ``"replicate"`` (copies of
+        frame 0, as Cosmos, CogVideoX and Wan).
+      kernel_dilation: an int or one per axis, time first; ``None`` is 1.
+      feature_group_count: ``C_in`` and ``features`` split into this many groups.
+      use_bias: add a ``(features,)`` bias (in float32, before the one rounding).
+      dtype: the computation dtype (default: promoted from the inputs and parameters, as
+        ``nn.Conv``); the output and the cache's frames have it. Accumulation is float32.
+      param_dtype: the dtype of ``kernel`` and ``bias``.
+      precision: ``lax.Precision`` of the products (``"highest"``: no TF32 on GPUs).
+      kernel_init, bias_init: ``nn.Conv``'s defaults.
+      implementation: ``None`` (per platform) or one of
+        :data:`maskconv_kernels.ops.causal_conv.IMPLEMENTATIONS`.
+      interpret: run a kernel implementation in its interpreter.
+      decode: stream chunks of frames, in Flax's decode convention: ``init`` allocates the
+        ``"cache"`` collection (``frames``, ``offset``, ``started``, and ``segment_ids``
+        if ``init`` was given them: the fields of
+        :class:`~maskconv_kernels.ops.causal_conv.CausalConvState`, shaped from the
+        ``init`` input's batch, spatial and channel sizes; its length does not matter),
+        then each ``apply(..., mutable=["cache"])`` takes the next chunk ``(*batch_dims,
+        L, *spatial, C_in)`` and returns its outputs (:func:`maskconv_kernels.causal_conv_stream`:
+        the first chunk any length ``L``, later ones multiples of ``s_T``). Concatenated
+        along time they are the full pass's (bit for bit where
+        ``docs/causal_conv.md`` says so). Fixed-length chunks compile once under ``jit``.
+    """
+
+    features: int
+    kernel_size: int | Sequence[int]
+    strides: None | int | Sequence[int] = 1
+    padding: PaddingLike = "SAME"
+    padding_mode: str = "zeros"
+    kernel_dilation: None | int | Sequence[int] = 1
+    feature_group_count: int = 1
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: PrecisionLike = None
+    kernel_init: Initializer = default_kernel_init
+    bias_init: Initializer = nn.initializers.zeros_init()
+    implementation: str | None = None
+    interpret: bool = False
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        """The causal convolution of ``inputs``, or (decoding) of the stream's next chunk.
+
+        Args:
+          inputs: ``(*batch_dims, T, *spatial, C_in)``, channels-last, time first; batch
+            dims as ``nn.Conv`` takes them (none, one or several).
+          segment_ids: ``None``, or integers ``(*batch_dims, T, *spatial)``: clips packed
+            along time, no tap crossing a clip (negative ids: padding, zero outputs).
+            Needs ``padding_mode="zeros"``, stride 1 and ``"SAME"``. When decoding, with
+            every chunk of a stream whose ``init`` had them.
+
+        Returns:
+          ``(*batch_dims, floor((T - 1) / s_T) + 1, *out_spatial, features)`` (decoding:
+          the chunk's ``ceil(L / s_T)`` or ``L / s_T`` frames) in the computation dtype.
+        """
+        layer = _causal_conv.Layer.of(self)
+        shape = layer.kernel_shape(jnp.shape(inputs)[-1], self.features)
+        kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if self.decode and self.has_variable("cache", "frames"):
+            cache = {name: self.variable("cache", name) for name in _causal_conv.CACHE_FIELDS
+                     if self.has_variable("cache", name)}
+            state = _causal_conv.state_from({name: v.value for name, v in cache.items()})
+            y, state = layer.stream(inputs, state, kernel, bias, segment_ids)
+            for name, value in _causal_conv.state_arrays(state).items():
+                cache[name].value = value
+            return y
+        if self.decode:
+            state = layer.initial_state(inputs.shape, inputs.dtype, shape, kernel.dtype, segment_ids is not None)
+            for name, value in _causal_conv.state_arrays(state).items():
+                self.variable("cache", name, lambda value=value: value)
+        return layer(inputs, kernel, bias, segment_ids)

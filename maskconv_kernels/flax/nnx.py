@@ -5,7 +5,8 @@ the ``mask`` array as it was given), so ``nnx.state`` of one, or a checkpoint of
 loads into the other; the convolution is :func:`maskconv_kernels.masked_conv`, which
 never reads a masked tap. ``MaskedConv`` is the same class.
 
-``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers, as the
+``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers, and
+``CausalConv``: ``nnx.Conv``'s parameters as a causal convolution over time, each as the
 linen module of the same name.
 """
 from __future__ import annotations
@@ -21,11 +22,11 @@ from flax.linen.linear import canonicalize_padding
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
-from maskconv_kernels.flax import _conv, _decode, _short_conv
+from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 
-__all__ = ["Conv", "MaskedConv", "ShortConv"]
+__all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv"]
 
 
 class Conv(nnx.Module):
@@ -391,3 +392,139 @@ class ShortConv(nnx.Module):
             x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
             implementation=self.implementation,
         )
+
+
+class CausalConv(nnx.Module):
+    """A causal convolution over time with ``nnx.Conv``'s parameters: :func:`maskconv_kernels.causal_conv`.
+
+    The linen :class:`maskconv_kernels.flax.linen.CausalConv` as an nnx module:
+    ``nnx.Param`` state ``kernel (k_T, *k_spatial, in_features // feature_group_count,
+    out_features)`` and ``bias (out_features,)``, drawn as ``nnx.Conv`` draws them (the
+    same ``Rngs`` give the same values), so ``nnx.state`` of an ``nnx.Conv`` of the same
+    kernel size, or its checkpoint, loads unchanged::
+
+        >>> from flax import nnx
+        >>> import jax.numpy as jnp
+        >>> from maskconv_kernels.flax import nnx as mk_nnx
+        >>> layer = mk_nnx.CausalConv(4, 8, (3, 3, 3), rngs=nnx.Rngs(0))
+        >>> layer.kernel.shape, layer(jnp.ones((1, 9, 16, 16, 4))).shape
+        ((3, 3, 3, 4, 8), (1, 9, 16, 16, 8))
+
+    Args:
+      in_features: ``C_in``.
+      out_features: ``C_out``.
+      kernel_size: the window ``(k_T, *k_spatial)``, time first (an int: a 1-D layer).
+      strides, padding, padding_mode, kernel_dilation, feature_group_count, use_bias,
+      dtype, param_dtype, precision, kernel_init, bias_init, implementation,
+      interpret: as the linen module's attributes (``padding`` is the non-time axes').
+      rngs: draws ``kernel``, then ``bias``.
+      kernel_metadata, bias_metadata: as in ``nnx.Conv``.
+      decode: stream chunks, as ``nnx.MultiHeadAttention(decode=True)``:
+        :meth:`init_cache` allocates ``nnx.Cache`` state (``frames``, ``offset``,
+        ``started``, ``segment_ids``: the fields of
+        :class:`~maskconv_kernels.ops.causal_conv.CausalConvState`), then each call takes
+        the next chunk ``(*batch_dims, L, *spatial, in_features)`` and returns its outputs
+        (the first chunk any length, later ones multiples of ``s_T``).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        kernel_size: int | tp.Sequence[int],
+        strides: None | int | tp.Sequence[int] = 1,
+        *,
+        padding: PaddingLike = "SAME",
+        padding_mode: str = "zeros",
+        kernel_dilation: None | int | tp.Sequence[int] = 1,
+        feature_group_count: int = 1,
+        use_bias: bool = True,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        precision: PrecisionLike = None,
+        kernel_init: Initializer = default_kernel_init,
+        bias_init: Initializer = default_bias_init,
+        implementation: str | None = None,
+        interpret: bool = False,
+        rngs: nnx.Rngs,
+        kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+        bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
+        decode: bool = False,
+    ):
+        self.kernel_size = _conv.kernel_size_tuple(kernel_size)
+        self.strides = strides
+        self.padding = padding
+        self.padding_mode = padding_mode
+        self.kernel_dilation = kernel_dilation
+        self.feature_group_count = feature_group_count
+        self.precision = precision
+        self.implementation = implementation
+        self.interpret = interpret
+        self.kernel_shape = _causal_conv.Layer.of(self).kernel_shape(in_features, out_features)
+        # Drawn in nnx.Conv's order (kernel, then bias) so the same Rngs give the same params.
+        self.kernel = nnx.Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype), **kernel_metadata)
+        self.bias: nnx.Param | None
+        if use_bias:
+            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
+        else:
+            self.bias = nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.decode = decode
+        self.frames: nnx.Cache | None = nnx.data(None)
+        self.offset: nnx.Cache | None = nnx.data(None)
+        self.started: nnx.Cache | None = nnx.data(None)
+        self.segment_ids: nnx.Cache | None = nnx.data(None)
+
+    def init_cache(self, input_shape: tp.Sequence[int], dtype: Dtype | None = None, *, segmented: bool = False) -> None:
+        """Allocates the stream's state for chunks shaped ``input_shape`` ``(*batch_dims, L, *spatial, in_features)``.
+
+        ``L`` does not matter. ``dtype``: the chunks' after promotion (default the
+        module's ``dtype``, else ``param_dtype``: what promotion gives for inputs no
+        wider). ``segmented``: every chunk will come with ``segment_ids``. Calling it
+        again starts a new stream.
+        """
+        if dtype is None:
+            dtype = self.param_dtype if self.dtype is None else self.dtype
+        state = _causal_conv.Layer.of(self).initial_state(
+            input_shape, dtype, self.kernel_shape, self.param_dtype, segmented)
+        arrays = _causal_conv.state_arrays(state)
+        for name in _causal_conv.CACHE_FIELDS:  # segment_ids too: None unless segmented
+            setattr(self, name, nnx.Cache(arrays[name]) if name in arrays else nnx.data(None))
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, *, decode: bool | None = None) -> jax.Array:
+        """The causal convolution of ``x``, or (decoding) of the stream's next chunk.
+
+        Args:
+          x: ``(*batch_dims, T, *spatial, in_features)``, as the linen module's ``inputs``.
+          segment_ids: ``None`` or ``(*batch_dims, T, *spatial)`` integers, as the linen
+            module's (when decoding: with every chunk of a stream whose cache was
+            allocated with ``segmented=True``).
+          decode: overrides the module's ``decode`` for this call.
+
+        Returns:
+          ``(*batch_dims, floor((T - 1) / s_T) + 1, *out_spatial, out_features)``
+          (decoding: the chunk's outputs) in the computation dtype.
+        """
+        if jnp.shape(x)[-1] != self.in_features:
+            raise ValueError(
+                f"x has {jnp.shape(x)[-1]} channels (shape {jnp.shape(x)}) but this CausalConv was built with "
+                f"in_features={self.in_features}: the last dim of x must be in_features"
+            )
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
+        layer = _causal_conv.Layer.of(self)
+        if not (self.decode if decode is None else decode):
+            return layer(x, kernel, bias, segment_ids)
+        if self.frames is None:
+            raise ValueError("decode cache not initialized: call init_cache(input_shape) first")
+        cache = {name: getattr(self, name) for name in _causal_conv.CACHE_FIELDS if getattr(self, name) is not None}
+        y, state = layer.stream(x, _causal_conv.state_from({n: v[...] for n, v in cache.items()}), kernel, bias,
+                                segment_ids)
+        for name, value in _causal_conv.state_arrays(state).items():
+            cache[name][...] = value
+        return y
