@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import subprocess
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from maskconv_kernels import report
+from support.snippets import python_blocks, run_block
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -117,18 +117,14 @@ def test_help_says_what_is_measured_and_how_long():
 
 
 def _readme_snippets():
-    """Every ```python block of the README, unless an HTML comment just above says it is not run."""
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.finditer(r"(<!--[^\n]*-->\n)?```python\n(.*?)```", readme, re.S)
-    return [(readme[: m.start()].count("\n") + 1, m.group(2)) for m in blocks if not m.group(1)]
+    return python_blocks(ROOT / "README.md")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("line, code", _readme_snippets(), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
 def test_readme_snippet_runs_as_written(line, code, tmp_path):
     # Each block on its own, in a fresh interpreter with 8 CPU devices (the mesh examples).
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    proc = run_block(code, tmp_path)
     assert proc.returncode == 0, f"README.md line {line}:\n{code}\n{proc.stderr[-3000:]}"
 
 
