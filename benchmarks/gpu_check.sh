@@ -9,17 +9,20 @@
 #      (python -m maskconv_kernels): the most informative minute, first    -> leak_report.json
 #   3. the benchmark grid against cuDNN, the headline shapes' fwd+bwd for the
 #      default backend first, with a time budget (python -m
-#      maskconv_kernels.bench conv --preset gpu; no chart: render redraws
-#      it from the rows)                                                    -> <gpu>.jsonl/.md
+#      maskconv_kernels.bench conv --preset gpu; no chart and no .md: render
+#      writes both from the rows)                                           -> <gpu>.jsonl
 #   4. causal_conv1d's fused Pallas kernels beside the XLA shift-and-add and
 #      cuDNN's depthwise convolution at Mamba-2/GDN shapes, each with the HBM
 #      roofline (python -m maskconv_kernels.bench sequence)                 -> short_conv.jsonl
-#   5. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
+#   5. causal_conv against jnp.pad + lax.conv (cuDNN) at video VAE and audio
+#      codec layers, full pass and one streamed chunk, with each executable's
+#      memory (python -m maskconv_kernels.bench causal_conv --preset gpu)   -> causal_conv.jsonl
+#   6. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
-#   6. per-kernel timings on the headline shapes: cuDNN's fwd/dx/dw beside
+#   7. per-kernel timings on the headline shapes: cuDNN's fwd/dx/dw beside
 #      ours, Mosaic GPU's default tiles, Pallas tiles swept, Triton's autotune,
 #      Mosaic GPU tiles swept (python -m benchmarks.tune)                    -> tune.json
-#   7. the summary tables, printed last
+#   8. the summary tables, printed last
 # Everything goes to $OUT (default benchmarks/results/gpu-check), with the full log in
 # gpu_check.log: 8 files, the most the device machine returns.
 #
@@ -36,17 +39,19 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
-TUNE_TIMEOUT=${TUNE_TIMEOUT:-135}
-TUNE_BUDGET=${TUNE_BUDGET:-90}      # kernels started after this many seconds are skipped
+TUNE_TIMEOUT=${TUNE_TIMEOUT:-120}
+TUNE_BUDGET=${TUNE_BUDGET:-80}      # kernels started after this many seconds are skipped
 TUNE_ARGS=${TUNE_ARGS:-}            # e.g. "--dtypes bfloat16"
 PYTEST_K=${PYTEST_K:-}              # a pytest -k expression, e.g. "triton or pallas"
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-120}
 REPORT_TIMEOUT=${REPORT_TIMEOUT:-40}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-135}
-BENCH_BUDGET=${BENCH_BUDGET:-90}    # cells started after this many seconds are skipped
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
+BENCH_BUDGET=${BENCH_BUDGET:-80}    # cells started after this many seconds are skipped
 BENCH_ARGS=${BENCH_ARGS:-}
 SHORT_CONV_TIMEOUT=${SHORT_CONV_TIMEOUT:-75}
 SHORT_CONV_BUDGET=${SHORT_CONV_BUDGET:-50}  # cells started after this many seconds are skipped
+CAUSAL_CONV_TIMEOUT=${CAUSAL_CONV_TIMEOUT:-60}
+CAUSAL_CONV_BUDGET=${CAUSAL_CONV_BUDGET:-35}  # cells started after this many seconds are skipped
 mkdir -p "$OUT"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -104,6 +109,7 @@ stage "3. benchmark grid against cuDNN (budget ${BENCH_BUDGET}s, limit ${BENCH_T
 timeout "$BENCH_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench conv --preset gpu --time-budget "$BENCH_BUDGET" \
   --no-chart --out "$OUT" --name "$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -25
 STATUS[bench]=${PIPESTATUS[0]}
+rm -f "$OUT/$TAG.md"  # render rewrites it from the rows; the device returns 8 files at most
 
 stage "4. causal_conv1d's fused kernels, the shift-and-add and cuDNN depthwise (budget ${SHORT_CONV_BUDGET}s, limit ${SHORT_CONV_TIMEOUT}s)"
 # Its table is printed again in the summary.
@@ -112,7 +118,14 @@ timeout "$SHORT_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench sequence --pre
 STATUS[short_conv]=${PIPESTATUS[0]}
 rm -f "$OUT/short_conv.md"  # its table is in the log (the summary); the device returns 8 files at most
 
-stage "5. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
+stage "5. causal_conv and its stream against jnp.pad / a concatenating cache + lax.conv (budget ${CAUSAL_CONV_BUDGET}s, limit ${CAUSAL_CONV_TIMEOUT}s)"
+# Its tables are printed again in the summary.
+timeout "$CAUSAL_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench causal_conv --preset gpu \
+  --time-budget "$CAUSAL_CONV_BUDGET" --no-chart --out "$OUT" --name causal_conv | tail -3
+STATUS[causal_conv]=${PIPESTATUS[0]}
+rm -f "$OUT/causal_conv.md"  # its tables are in the log (the summary); the device returns 8 files at most
+
+stage "6. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
 PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
 # Compilation dominates: spread the tests over worker processes, which then share the
@@ -130,12 +143,12 @@ PYTEST_PATHS=$(for f in $PYTEST_PATHS; do [ -e "$f" ] && echo "$f"; done | tr '\
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
 STATUS[pytest]=${PIPESTATUS[0]}
 
-stage "6. per-kernel timings and tile sweep on the headline shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
+stage "7. per-kernel timings and tile sweep on the headline shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"
 # shellcheck disable=SC2086
 timeout "$TUNE_TIMEOUT" "$PYTHON" -m benchmarks.tune --budget "$TUNE_BUDGET" --out "$OUT/tune.json" $TUNE_ARGS
 STATUS[tune]=$?
 
-stage "7. summary"
+stage "8. summary"
 # Re-rendered from the rows written so far, so an interrupted grid still gets its table.
 if [ -s "$OUT/$TAG.jsonl" ]; then
   timeout 60 "$PYTHON" -m maskconv_kernels.bench render "$OUT/$TAG.jsonl" | sed -n '/^## Summary/,$p'
@@ -145,6 +158,10 @@ fi
 if [ -s "$OUT/short_conv.jsonl" ]; then
   echo; echo "causal_conv1d (python -m maskconv_kernels.bench sequence):"
   timeout 60 "$PYTHON" -m maskconv_kernels.bench render "$OUT/short_conv.jsonl"
+fi
+if [ -s "$OUT/causal_conv.jsonl" ]; then
+  echo; echo "causal_conv (python -m maskconv_kernels.bench causal_conv):"
+  timeout 60 "$PYTHON" -m maskconv_kernels.bench render "$OUT/causal_conv.jsonl" | sed -n '/^## Targets/,$p'
 fi
 if [ -s "$OUT/leak_report.json" ]; then
   echo; echo "The leak report's experiments (python -m maskconv_kernels):"
@@ -193,7 +210,7 @@ fi
 echo
 echo "| stage | exit status |"
 echo "|---|---|"
-for s in env bench short_conv leak_report pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+for s in env bench short_conv causal_conv leak_report pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START ))s"

@@ -10,6 +10,9 @@ time) to a folder you name (``--out``; by default a new folder under the current
   shapes in :mod:`.shapes`), exactness measured on the timed executables;
 * ``sequence``: ``causal_conv1d`` against ``lax.conv``'s depthwise convolution and a
   shift-and-add at Mamba-2 and gated-DeltaNet shapes (:mod:`.sequence`);
+* ``causal_conv``: ``causal_conv`` against ``jnp.pad`` + ``lax.conv`` (``VALID`` on time),
+  and ``causal_conv_stream`` against a concatenating cache, at video VAE and audio codec
+  layers (:mod:`.causal_conv`, shapes in :mod:`.shapes`), with each executable's memory;
 * ``roofline``: each linear map of the ``xla`` backend against a GEMM of the same FLOPs
   (:mod:`.roofline`);
 * ``decode``: generation with decode caches against naive generation, on the repository's

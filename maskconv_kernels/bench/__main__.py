@@ -24,6 +24,9 @@ MODES = {
     "sequence": ("sequence", "causal_conv1d against lax.conv's depthwise convolution and a shift-and-add at "
                  "Mamba-2 and gated-DeltaNet shapes (forward, backward, both, one decode step), with the "
                  "memory roofline"),
+    "causal_conv": ("causal_conv", "causal_conv against jnp.pad + lax.conv (VALID on time) at video VAE and audio "
+                    "codec layers (forward, forward+backward), and causal_conv_stream against a concatenating cache "
+                    "(one chunk, against its share of the full pass), with each executable's memory"),
     "roofline": ("roofline", "each linear map of the xla backend (forward, input gradient, weight gradient) "
                  "against a GEMM of the same FLOPs, and its extra memory"),
     "decode": ("decode", "generation with decode caches against naive generation, on the repository's example "
@@ -36,10 +39,13 @@ ESTIMATES = {
     ("conv", "cpu"): ("3-5 min on a 2-core x86 VM (3 min 25 s with jax 0.10.2 at load average 2, "
                       "4 min 24 s with jax 0.12 as other jobs raised it to 5)"),
     ("conv", "quick"): "15-20 s on a 2-core x86 VM",
+    ("causal_conv", "cpu"): "4-5 min on a 2-core x86 VM (4 min 28 s with jax 0.10.2 at load average 4 to 5)",
+    ("causal_conv", "quick"): "10-15 s on a 2-core x86 VM",
 }
 
 EPILOG = """\
-Estimates (measured, compilation included): conv --preset cpu {conv_cpu}; --preset quick {conv_quick}.
+Estimates (measured, compilation included): conv --preset cpu {conv_cpu}; --preset quick {conv_quick};
+causal_conv --preset cpu {causal_cpu}.
 On a GPU, --preset gpu times device-filling batches in three dtypes: give it a --time-budget.
 
 Every run writes PREFIX.jsonl (a row per measurement: figures, device, CPU, load average,
@@ -53,6 +59,7 @@ Examples:
   python -m maskconv_kernels.bench --preset cpu --out results
   python -m maskconv_kernels.bench conv --shapes 3x3B --dtypes bfloat16 --modes fwd+bwd
   python -m maskconv_kernels.bench sequence --quick
+  python -m maskconv_kernels.bench causal_conv --preset cpu --out results
   python -m maskconv_kernels.bench render results/conv_cpu.jsonl
 """
 
@@ -73,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m maskconv_kernels.bench",
         description="Benchmarks of maskconv-kernels on this machine's default device: is it exact, and is it "
         "faster than what JAX users write today? MODE defaults to conv.",
-        epilog=EPILOG.format(conv_cpu=ESTIMATES[("conv", "cpu")], conv_quick=ESTIMATES[("conv", "quick")]),
+        epilog=EPILOG.format(conv_cpu=ESTIMATES[("conv", "cpu")], conv_quick=ESTIMATES[("conv", "quick")],
+                             causal_cpu=ESTIMATES[("causal_conv", "cpu")]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     modes = parser.add_subparsers(dest="mode", metavar="MODE")

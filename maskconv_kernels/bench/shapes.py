@@ -1,4 +1,4 @@
-"""The one source of benchmark shapes: masked convolution layers of real models.
+"""The one source of benchmark shapes: masked and causal convolution layers of real models.
 
 Shared by the benchmarks (``python -m maskconv_kernels.bench``) and the tests, which check
 every shape against float64 at batch 1, so that every shape timed is also checked.
@@ -23,6 +23,21 @@ call runs well past launch overhead); ``small_batch`` is for CPUs and CI. The tw
 ``headline`` shapes (32x32, 256 channels, N=64 in bfloat16 on a GPU: a PixelCNN's 7x7
 type-A and 3x3 type-B layers at full width) are where a PixelCNN's training time goes;
 the benchmarks measure them first and summarise them last.
+
+Causal convolutions along time (``python -m maskconv_kernels.bench causal_conv``,
+:data:`CAUSAL_SHAPES`):
+* Video VAE encoders (Wan 2.1, CogVideoX, Cosmos): 3x3x3 causal convolutions at batch 1
+  on 9 to 17 frames (Wan's 1 + 4k frames) of 32x32 to 64x64 latents with 128 to 256
+  channels, time stride 1, and 2 where a layer downsamples time; before frame 0 zeros
+  (Wan) or copies of frame 0 (``"replicate"``: Cosmos, CogVideoX). Streamed in chunks
+  of 4 frames, as Wan's encoder takes the frames after the first.
+* Neural audio codec encoders (EnCodec, Mimi: SEANet): 1 s at 24 kHz (L = 24,000),
+  64 to 512 channels; residual units (kernel 3, C -> C / 2), the first and last layers
+  (kernel 7), and the downsampling layers (kernel 2 s, stride s for s = 2, 4, 5, 8).
+  Streamed in chunks of 1,920 samples (Mimi's 80 ms frame), a multiple of every stride.
+  Every layer is timed on 24,000 input frames (in a codec, later layers see fewer).
+``small_batch`` and ``cpu`` choose the CPU preset's layers and batch (the cheaper ones:
+it must finish in minutes on two cores); ``batch`` is the GPU preset's.
 """
 from __future__ import annotations
 
@@ -32,7 +47,8 @@ import numpy as np
 
 import maskconv_kernels as mk
 
-__all__ = ["BenchShape", "SHAPES", "HEADLINE_SHAPES", "ROOFLINE_SHAPES", "by_name"]
+__all__ = ["BenchShape", "SHAPES", "HEADLINE_SHAPES", "ROOFLINE_SHAPES", "by_name", "CausalShape", "CAUSAL_SHAPES",
+           "causal_by_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +151,90 @@ def by_name(name: str) -> BenchShape:
         if s.name == name:
             return s
     raise KeyError(f"no benchmark shape named {name!r}; known: {[s.name for s in SHAPES]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CausalShape:
+    """One causal convolution along time: ``x: (N, frames, *spatial, c_in)``, ``kernel: (*window, c_in, c_out)``.
+
+    ``window[0]`` and ``stride`` are time's; the other axes have stride 1 and ``"SAME"``
+    padding. A stream feeds ``chunk`` frames at a time (a multiple of ``stride``).
+    """
+
+    name: str
+    family: str  # "video", "audio"
+    frames: int
+    spatial: tuple[int, ...]  # after time: (H, W) for video, () for audio
+    c_in: int
+    c_out: int
+    window: tuple[int, ...]  # (k_T, *k_spatial)
+    stride: int
+    padding_mode: str  # "zeros" or "replicate"
+    chunk: int
+    batch: int  # the gpu preset's
+    small_batch: int  # the cpu preset's
+    cpu: bool  # in the cpu preset
+
+    def x_shape(self, batch: int) -> tuple[int, ...]:
+        return (batch, self.frames, *self.spatial, self.c_in)
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        return (*self.window, self.c_in, self.c_out)
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return (self.stride, *(1 for _ in self.spatial))
+
+    @property
+    def out_frames(self) -> int:
+        return (self.frames - 1) // self.stride + 1
+
+    def flops(self, batch: int) -> int:
+        """Multiply-adds of the forward pass, times 2."""
+        return 2 * batch * self.out_frames * int(np.prod(self.spatial, dtype=np.int64)) * int(np.prod(self.window)) \
+            * self.c_in * self.c_out
+
+
+def _video(c_in, c_out, frames, hw, stride=1, padding_mode="zeros", cpu=False):
+    s = f"_s{stride}" if stride > 1 else ""
+    channels = f"C{c_in}" if c_in == c_out else f"C{c_in}-{c_out}"
+    pad = "_replicate" if padding_mode == "replicate" else ""
+    return CausalShape(f"video_3x3x3{s}_{channels}_T{frames}_{hw}x{hw}{pad}", "video", frames, (hw, hw), c_in, c_out,
+                       (3, 3, 3), stride, padding_mode, chunk=4, batch=1, small_batch=1, cpu=cpu)
+
+
+def _audio(c_in, c_out, k, stride=1, padding_mode="zeros", cpu=False):
+    s = f"_s{stride}" if stride > 1 else ""
+    channels = f"C{c_in}" if c_in == c_out else f"C{c_in}-{c_out}"
+    pad = "_replicate" if padding_mode == "replicate" else ""
+    return CausalShape(f"audio_k{k}{s}_{channels}_L24000{pad}", "audio", 24000, (), c_in, c_out, (k,), stride,
+                       padding_mode, chunk=1920, batch=16, small_batch=1, cpu=cpu)
+
+
+CAUSAL_SHAPES: tuple[CausalShape, ...] = (
+    # Video VAE encoder layers, batch 1.
+    _video(128, 128, 17, 32, cpu=True),
+    _video(128, 128, 17, 32, padding_mode="replicate", cpu=True),
+    _video(128, 128, 17, 32, stride=2, padding_mode="replicate", cpu=True),
+    _video(128, 128, 17, 64),
+    _video(256, 256, 17, 32),
+    _video(256, 256, 9, 64),
+    _video(256, 256, 17, 64, stride=2, padding_mode="replicate"),
+    # Audio codec encoder layers, 1 s at 24 kHz.
+    _audio(64, 32, 3, cpu=True),  # a residual unit's kernel-3 convolution
+    _audio(64, 64, 7, padding_mode="replicate", cpu=True),
+    _audio(64, 128, 4, stride=2, cpu=True),  # the downsampling layers: kernel 2 s, stride s
+    _audio(128, 256, 8, stride=4, cpu=True),
+    _audio(256, 512, 16, stride=8, cpu=True),
+    _audio(256, 512, 10, stride=5),
+    _audio(512, 256, 3),
+    _audio(512, 128, 7),  # the last layer, to the latent
+)
+
+
+def causal_by_name(name: str) -> CausalShape:
+    for s in CAUSAL_SHAPES:
+        if s.name == name:
+            return s
+    raise KeyError(f"no causal benchmark shape named {name!r}; known: {[s.name for s in CAUSAL_SHAPES]}")

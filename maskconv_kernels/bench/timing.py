@@ -65,14 +65,16 @@ def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float
     """Seconds per call of each of ``fns`` (compiled), ``preset.samples`` samples each, interleaved.
 
     ``argsets`` is a list of argument tuples, rotated within a sample so that no call
-    finds its inputs in cache because the previous call left them there.
+    finds its inputs in cache because the previous call left them there; or a dict
+    giving each function its own list (functions of different arguments timed together).
     """
+    sets = argsets if isinstance(argsets, dict) else {name: argsets for name in fns}
     n_inner = {}
     for name, fn in fns.items():
         for i in range(preset.warmup):
-            jax.block_until_ready(fn(*argsets[i % len(argsets)]))
+            jax.block_until_ready(fn(*sets[name][i % len(sets[name])]))
         t = time.perf_counter()
-        jax.block_until_ready(fn(*argsets[0]))
+        jax.block_until_ready(fn(*sets[name][0]))
         one = time.perf_counter() - t
         n_inner[name] = max(1, math.ceil(preset.min_sample_s / max(one, 1e-7)))
     times = {name: [] for name in fns}
@@ -80,10 +82,10 @@ def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float
     for s in range(preset.samples):
         # Rotate who goes first, so no function always follows the same neighbour.
         for name in names[s % len(names):] + names[: s % len(names)]:
-            fn, n = fns[name], n_inner[name]
+            fn, n, own = fns[name], n_inner[name], sets[name]
             t = time.perf_counter()
             for i in range(n):
-                out = fn(*argsets[i % len(argsets)])
+                out = fn(*own[i % len(own)])
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t) / n)
     return times
@@ -105,21 +107,24 @@ def measure_peak(dtype_name: str, n: int, preset: Preset) -> float:
 
 
 def memory(compiled) -> dict:
-    """``peak_bytes`` and ``temp_bytes`` of a compiled executable (``None`` where the platform reports none).
+    """``peak_bytes``, ``temp_bytes`` and ``output_bytes`` of a compiled executable (``None`` where the
+    platform reports none).
 
     The peak is ``memory_analysis()``'s, or arguments + outputs + temporaries - aliases
     where the platform gives no peak.
     """
+    none = {"peak_bytes": None, "temp_bytes": None, "output_bytes": None}
     try:
         m = compiled.memory_analysis()
     except Exception:  # some platforms do not implement it
-        return {"peak_bytes": None, "temp_bytes": None}
+        return none
     if m is None:
-        return {"peak_bytes": None, "temp_bytes": None}
+        return none
     peak = getattr(m, "peak_memory_in_bytes", 0) or (
         m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     )
-    return {"peak_bytes": int(peak), "temp_bytes": int(m.temp_size_in_bytes)}
+    return {"peak_bytes": int(peak), "temp_bytes": int(m.temp_size_in_bytes),
+            "output_bytes": int(m.output_size_in_bytes)}
 
 
 def n_input_sets(set_bytes: int, cache_bytes: int, max_sets: int) -> int:
