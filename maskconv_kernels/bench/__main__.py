@@ -39,7 +39,8 @@ ESTIMATES = {
     ("conv", "cpu"): ("3-5 min on a 2-core x86 VM (3 min 25 s with jax 0.10.2 at load average 2, "
                       "4 min 24 s with jax 0.12 as other jobs raised it to 5)"),
     ("conv", "quick"): "15-20 s on a 2-core x86 VM",
-    ("causal_conv", "cpu"): "4-5 min on a 2-core x86 VM (4 min 28 s with jax 0.10.2 at load average 4 to 5)",
+    ("causal_conv", "cpu"): ("3-5 min on a 2-core x86 VM (3 min 59 s with jax 0.10.2, 3 min 23 s with jax 0.12, "
+                             "other jobs holding the load average at 5)"),
     ("causal_conv", "quick"): "10-15 s on a 2-core x86 VM",
 }
 
