@@ -7,6 +7,7 @@ devices, :mod:`.audit` checks a whole model for causality, :mod:`.flax` and
 (Dao-AILab causal-conv1d's), and ``python -m maskconv_kernels`` prints the leak report.
 """
 from . import _moved
+from ._core.hardware import gpu_target
 from .audit import CausalityError, CausalityReport, as_function, assert_causal, audit_causal
 from .masks import (
     Mask,
@@ -22,6 +23,7 @@ from .ops.masked_conv import IMPLEMENTATIONS, masked_conv
 from .ops.masked_conv.reference import leaky_masked_conv, masked_conv_reference
 
 _moved.install()
+__getattr__ = _moved.module_attribute  # mk.api, mk.spatial, ...: the moved modules by their old attribute
 
 __version__ = "0.1.0"
 
@@ -47,4 +49,5 @@ __all__ = [
     "as_function",
     "CausalityReport",
     "CausalityError",
+    "gpu_target",
 ]

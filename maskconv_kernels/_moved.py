@@ -12,7 +12,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "install", "module_attribute"]
 
 _PACKAGE = __name__.rpartition(".")[0]
 
@@ -76,3 +76,11 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     if not any(isinstance(f, _Alias) for f in sys.meta_path):
         sys.meta_path.insert(0, _Alias())
+
+
+def module_attribute(name: str):
+    """``maskconv_kernels.<name>`` for a moved module read as an attribute (``mk.api``,
+    ``mk.spatial``), imported on first use as ``import maskconv_kernels.<name>`` would."""
+    if name not in MOVED:
+        raise AttributeError(f"module {_PACKAGE!r} has no attribute {name!r}")
+    return importlib.import_module(f"{_PACKAGE}.{name}")

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import maskconv_kernels
 
@@ -84,3 +87,33 @@ def test_choosing_a_backend_on_cpu_imports_no_mosaic_gpu_module():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_old_module_paths_name_the_moved_modules():
+    # Every module path of the flat layout still imports, as a module and as an attribute,
+    # and is the moved module itself (one object: its functions are the new ones).
+    import maskconv_kernels as mk
+    from maskconv_kernels._moved import MOVED
+
+    for old, new in MOVED.items():
+        module = importlib.import_module(f"maskconv_kernels.{old}")
+        assert module is importlib.import_module(f"maskconv_kernels.{new}"), old
+        if "." not in old:
+            assert getattr(mk, old) is module, old
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        mk.nothing  # noqa: B018
+
+
+def test_the_documented_names_import():
+    import maskconv_kernels as mk
+
+    for name in ("masked_conv", "causal_conv1d", "causal_conv1d_update", "causal_conv", "causal_conv_stream",
+                 "pixelcnn_mask", "audit_causal", "assert_causal", "gpu_target"):
+        assert callable(getattr(mk, name)), name
+    assert callable(mk.spatial.sequence_sharded_causal_conv1d) and callable(mk.spatial.spatially_sharded_masked_conv)
+    assert callable(mk.decode.make_decode_spec) and callable(mk.short_conv.causal_conv1d_update)
+    from maskconv_kernels.compat.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: F401
+    from maskconv_kernels.equinox import CausalConv, Conv2d  # noqa: F401
+    from maskconv_kernels.flax import MaskedConv, ShortConv  # noqa: F401
+    from maskconv_kernels.flax.linen import CausalConv as LinenCausalConv, Conv  # noqa: F401
+    from maskconv_kernels.flax.nnx import CausalConv as NnxCausalConv, ShortConv as NnxShortConv  # noqa: F401

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.tiers import tiered
 from flax import nnx
 
 import maskconv_kernels as mk
@@ -232,7 +233,7 @@ GALLERY = [
 ALL_CHECKS = ("gradient", "nan", "perturb")
 
 
-@pytest.mark.parametrize("case", GALLERY, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", tiered(GALLERY, lambda c: c in GALLERY[::2]), ids=lambda c: c.name)
 def test_gallery_leak_is_caught_with_first_pair(case):
     with pytest.raises(mk.CausalityError, match="FAILED") as info:
         mk.assert_causal(case.leaky, case.x(), include_current=case.include_current, checks=ALL_CHECKS)
@@ -248,7 +249,7 @@ def test_gallery_leak_is_caught_with_first_pair(case):
         assert (first.output, first.input) == case.first, str(report)
 
 
-@pytest.mark.parametrize("case", GALLERY, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", tiered(GALLERY, lambda c: c in GALLERY[1::2]), ids=lambda c: c.name)
 def test_gallery_fix_passes(case):
     if not case.nan_isolated:
         nan = mk.audit_causal(case.fixed, case.x(), include_current=case.include_current, checks=("nan",))
@@ -306,6 +307,7 @@ def test_lax_conv_kernel_times_mask_leaks_nan_not_gradient_on_cpu():
     assert leaky.check("nan").first.input == (0, 0)
 
 
+@pytest.mark.slow  # the example model; the gallery covers each check in the fast tier
 def test_example_gated_pixelcnn_ours_passes_flax_conv_fails_nan():
     """The digits model of examples/pixelcnn, and the same parameters in flax's ``Conv(mask=...)``."""
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (1, 8, 8, 1)), jnp.float32)
@@ -376,6 +378,7 @@ def test_linen_nnx_equinox_style_and_jitted_models():
         assert mk.audit_causal(jitted, x, checks=("nan",)).passed is ok
 
 
+@pytest.mark.slow
 def test_bfloat16_model_gradients_measured_in_float32():
     x = IMG().astype(jnp.bfloat16)
     kernels, head = _pixelcnn_kernels(0, 3, 8)
@@ -505,6 +508,7 @@ def make_token_model(leaky: bool, vocab: int = 11, d: int = 6):
     return sampler
 
 
+@pytest.mark.slow
 def test_blackbox_tokens_with_sampling_inside():
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 11, (2, L)), jnp.int32)
     ok = mk.assert_causal(make_token_model(False), tokens, include_current=True, vocab_size=11)

@@ -248,6 +248,7 @@ def _clips(shape):
     return jnp.asarray(ids)
 
 
+@pytest.mark.slow  # Equinox's packed clips are the fast tier's
 def test_linen_and_nnx_pack_clips_in_the_full_pass_and_the_stream():
     x = random(14, (2, 10, 4, 2))
     ids = _clips(x.shape[:-1])

@@ -185,6 +185,18 @@ def test_a_stream_in_another_layout_keeps_its_state_channels_last():
     np.testing.assert_array_equal(bits(jnp.concatenate(ys, axis=2)), bits(mk.causal_conv(xc, kc, dimension_numbers=dn)))
 
 
+def test_a_traced_state_given_an_off_stride_chunk_gives_nan_after_the_start():
+    # Under jit the state's `started` is traced and cannot be checked when the chunk is:
+    # an off-stride chunk is computed as a first chunk, and poisoned if the stream had started.
+    x, k = random(60, (1, 7, 3), F32), random(61, (3, 3, 4), F32)
+    step = jax.jit(lambda c, s: mk.causal_conv_stream(c, s, k, strides=2))
+    fresh = causal_conv_stream_init(x[:, :3], k, strides=2)
+    y0, state = step(x[:, :3], fresh)  # a first chunk of 3 frames: fine traced too
+    np.testing.assert_array_equal(np.asarray(y0), np.asarray(mk.causal_conv(x[:, :3], k, strides=2)))
+    y1, _ = step(x[:, 3:6], state)  # started, 3 frames with stride 2: the bug shows
+    assert y1.shape == (1, 2, 4) and np.isnan(np.asarray(y1)).all()
+
+
 def test_chunk_lengths_and_states_are_checked_in_the_streams_words():
     x, k = random(33, (1, 9, 3), F32), random(34, (3, 3, 3), F32)
     _, state = mk.causal_conv_stream(x[:, :1], None, k, strides=2)

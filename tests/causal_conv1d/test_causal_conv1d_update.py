@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from support.lowering import cuda_lowering
 from support.numerics import assert_close, random
+from support.tiers import tiered
 
 from maskconv_kernels.short_conv import (
     PAD_SLOT_ID,
@@ -83,7 +84,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+# causal-conv1d's grid at width 4 and every named case in the README's command; widths 2 and 3 in the slow tier.
+@pytest.mark.parametrize(
+    "case", tiered(CASES, lambda c: (c.width == 4 and not c.circular) or c in CASES[12::2]), ids=lambda c: c.id,
+)
 def test_update_matches_the_reference(case):
     """Rows: two in slots, one padding, one starting a new sequence in a NaN slot."""
     window = (case.width - 1) * case.dilation
@@ -167,8 +171,7 @@ def _decode(x, w, b, *, activation, dilation, tokens, circular):
 def _exact_cases():
     """Every (width, dilation, bias) x tokens per call x state x dtype; a spread of them in the fast tier."""
     fast = {
-        (4, 1, True, 1, False, F32), (4, 1, False, 3, True, BF16), (2, 3, True, 1, True, F32),
-        (3, 1, False, 1, False, BF16), (8, 1, True, 3, False, F32), (4, 2, True, 3, True, F32),
+        (4, 1, False, 3, True, BF16), (2, 3, True, 1, True, F32), (8, 1, True, 3, False, F32),
     }
     grid = itertools.product(EXACT, (1, 3), (False, True), (F32, BF16))
     for (width, dilation, bias), tokens, circular, dtype in grid:

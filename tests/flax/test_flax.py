@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 from support.numerics import assert_close
+from support.tiers import tiered
 from flax import nnx
 
 import maskconv_kernels as mk
@@ -140,7 +141,7 @@ def _apply_and_grad(module, dy):
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", tiered(CASES, lambda c: c in CASES[::2]), ids=lambda c: c.name)
 def test_linen_matches_flax_conv(case):
     ours, theirs = _modules(case)
     x = random(1, case.x_shape)
@@ -175,7 +176,7 @@ def test_linen_init_gives_flax_conv_params():
 NNX_CASES = [c for c in CASES if c.name.startswith(("N2_H9_W7_C3_F5_k3_A", "N2_H8_W8", "N2_H7_W7", "N3_T17"))]
 
 
-@pytest.mark.parametrize("case", NNX_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", tiered(NNX_CASES, lambda c: c in NNX_CASES[::2]), ids=lambda c: c.name)
 def test_nnx_matches_flax_nnx_conv(case):
     fields = dict(case.fields, **COMMON)
     ours = mk_nnx.MaskedConv(case.c_in, case.features, case.kernel_size, mask=case.mask, rngs=nnx.Rngs(0), **fields)
@@ -265,6 +266,7 @@ def _stripes(key, n, h, w):
     return jnp.broadcast_to(rows, (n, h, w)).astype(jnp.int32)
 
 
+@pytest.mark.slow
 def test_short_training_run_lowers_the_loss():
     model = pixelcnn.GatedPixelCNN(levels=2, features=8, layers=2, first_window=3)
     data = _stripes(0, 16, 6, 6)

@@ -104,6 +104,7 @@ def _trained(ours: bool, seed: int, x):
     return model
 
 
+@pytest.mark.slow  # linen's round trip is the fast tier's
 def test_nnx_swap_restores_the_orbax_checkpoint(tmp_path):
     """The state holds the parameters and the mask array where nnx.Conv's does: the same tree, the same values."""
     assert mk_nnx.MaskedConv is mk_nnx.Conv

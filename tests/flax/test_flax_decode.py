@@ -110,6 +110,7 @@ def test_linen_decode_errors():
         MaskedConv(6, (3, 3), mask=rgb, decode=True).init(jax.random.key(0), random(4, (N, H, W, 3)))
 
 
+@pytest.mark.slow  # linen's is the fast tier's
 def test_nnx_decode_equals_the_full_forward_at_every_position():
     first = mk_nnx.MaskedConv(2, C, (5, 5), mask=mk.pixelcnn_mask((5, 5), "A"), decode_shift=1, rngs=nnx.Rngs(0))
     second = mk_nnx.MaskedConv(C, C, (3, 3), mask=mk.pixelcnn_mask((3, 3), "B"), rngs=nnx.Rngs(1))
@@ -185,6 +186,7 @@ def test_example_decodes_rows_and_pixels_to_the_full_forward(example):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=TOLERANCE[np.dtype("float32")] * scale)
 
 
+@pytest.mark.slow
 def test_example_cached_samples_equal_naive_samples(example):
     model_mod, sampling = example
     model = model_mod.GatedPixelCNN(levels=4, features=8, layers=2)

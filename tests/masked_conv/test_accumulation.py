@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.numerics import TOLERANCE, assert_close, random
+from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels.masks import as_mask
@@ -70,8 +71,10 @@ def _error(actual, expected):
     return float(np.abs(np.asarray(actual, np.float64) - expected).max(initial=0.0))
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-@pytest.mark.parametrize("name", sorted(CASES))
+# float16 in the slow tier: the same sums, rounded to a 10-bit mantissa instead of 7.
+@pytest.mark.parametrize("dtype", [HALF[0], pytest.param(HALF[1], marks=pytest.mark.slow)], ids=str)
+@pytest.mark.parametrize("name", tiered(sorted(CASES), lambda n: n in ("1d_k4_random_d2", "2d_k5_random", "2d_k3_rgbB_full",
+                                                                      "2d_k5A_s2_VALID")))
 def test_three_maps_round_once_on_multi_piece_masks(conv, name, dtype):
     x_shape, window, c_out, mask, kw = CASES[name]
     x = random(30, x_shape, dtype)

@@ -7,6 +7,7 @@ import pytest
 from support.implementations import BACKENDS
 from support.numerics import DTYPES, assert_close, random
 from support.cases import CASE_IDS, CASES
+from support.tiers import tiered
 
 from maskconv_kernels import masked_conv_reference
 from maskconv_kernels.reference import masked_conv_reference_vjp
@@ -30,8 +31,11 @@ SMOKE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SMOKE_CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("name", sorted(BACKENDS))
+# The xla strategies whose suites are the slow tier's get two of the cases in the fast tier.
+@pytest.mark.parametrize("name, case", tiered(
+    [(n, c) for n in sorted(BACKENDS) for c in SMOKE_CASES],
+    lambda nc: not nc[0].startswith("xla_") or nc[1] in SMOKE_CASES[1:3], spread=True,
+), ids=lambda v: v if isinstance(v, str) else v.name)
 def test_every_backend_smoke(name, case):
     """A 1-D, a strided and dilated 2-D and a channel-partial case on every backend, the interpreted kernels
     included: the fast tier's check of the kernels (the slow tier runs all the suites)."""
@@ -78,7 +82,8 @@ def test_gradients_match_reference(conv, case):
     assert (np.asarray(dk)[masked] == 0.0).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# bfloat16 in the README's command (float32 is test_forward_matches_reference's); the others in the slow tier.
+@pytest.mark.parametrize("dtype", tiered(DTYPES, lambda d: d == np.dtype(jax.numpy.bfloat16)), ids=str)
 @pytest.mark.parametrize("case", [c for c in CASES if c.small][::3], ids=lambda c: c.name)
 def test_dtypes_accumulate_in_float32(conv, case, dtype):
     x, k = _inputs(case, dtype, seed=11)

@@ -372,6 +372,7 @@ def test_sub_pixel_steps_equal_the_full_channel_grouped_layer(mask_type, per_exa
     assert_close(got, expected, np.float32, 25 * c_in, 2.0)
 
 
+@pytest.mark.slow  # a stack of the sub-pixel layers the fast tier decodes one at a time
 def test_sub_pixel_stack_type_a_then_b():
     """The original PixelCNN's R/G/B stack: the first layer is given the previous sub-sample."""
     n, h, w, c, g = 2, 4, 4, 6, 3

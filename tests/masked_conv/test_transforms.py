@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from support.numerics import assert_close, assert_second_order_close, random, second_order
 
 import maskconv_kernels as mk
@@ -138,6 +139,7 @@ def test_jacfwd_and_jacrev_match_the_leaky_baseline(conv):
             assert_close(got, ref, conv.dtype, 1, scale)
 
 
+@pytest.mark.slow  # forward over reverse; the fast tier has jacfwd, jacrev and grad of grad
 def test_hessian_matches_the_leaky_baseline(conv):
     x, k = _tiny(conv.dtype)
     loss = lambda f: (lambda x, k: jnp.sum(jnp.tanh(f(x, k, M)) ** 2))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from support.cases import CASES
 from support.numerics import assert_close, random
+from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import xla, xla_blocks
@@ -90,8 +91,12 @@ def _block_rows(case, block_bytes):
     return xla_blocks._block_shape(case.x_shape[0], spec.out_spatial, width * 4, block_bytes)
 
 
-@pytest.mark.parametrize("block_bytes", [1, 1500, 1 << 30], ids=["one_row", "rows_and_remainder", "all_images"])
-@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("block_bytes", [
+    pytest.param(1, id="one_row", marks=pytest.mark.slow),
+    pytest.param(1500, id="rows_and_remainder"),  # several rows a block and a shorter last one: the fast tier's
+    pytest.param(1 << 30, id="all_images", marks=pytest.mark.slow),
+])
+@pytest.mark.parametrize("case", tiered(GEMM_CASES, lambda c: c in GEMM_CASES[1::2]), ids=lambda c: c.name)
 @pytest.mark.parametrize("strategy", BLOCKED)
 def test_blocks_of_rows_match_reference(strategy, case, block_bytes):
     x = random(0, case.x_shape)
@@ -185,7 +190,7 @@ def test_no_strategy_lowered_for_cuda_has_a_convolution(strategy):
         assert "stablehlo.dot_general" in text, kw
 
 
-@pytest.mark.parametrize("which", ["forward", "input_grad", "weight_grad"])
+@pytest.mark.parametrize("which", tiered(["forward", "input_grad", "weight_grad"], lambda w: w == "forward"))
 @pytest.mark.parametrize("strategy", BLOCKED)
 def test_blocked_extra_memory_is_less_than_x(strategy, which):
     """7x7 type A: the im2col of every active tap would be 24 times x, and one

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from support.mesh import N_DEVICES, has_mesh_already, needs_mesh, run_on_forced_cpu_devices
 from support.numerics import assert_close, assert_second_order_close, random, second_order
+from support.tiers import tiered
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import maskconv_kernels as mk
@@ -94,7 +95,11 @@ CASES = [(n, t) for n in DATA_PARALLEL for t in (AxisType.Auto, AxisType.Explici
 
 
 @needs_mesh
-@pytest.mark.parametrize("name, axis_type", CASES, ids=[f"{n}-{t.name}" for n, t in CASES])
+# Both axis types on xla; the kernel backends with Auto (the common jit program) in the fast tier.
+@pytest.mark.parametrize(
+    "name, axis_type", tiered(CASES, lambda c: c[0] == "xla" or c[1] == AxisType.Auto, spread=True),
+    ids=[f"{n}-{t.name}" for n, t in CASES],
+)
 def test_data_parallel_stays_sharded_and_matches_one_device(name, axis_type):
     conv = _backend(name)
     mesh = _mesh((N_DEVICES,), ("data",), axis_type)
@@ -128,6 +133,7 @@ def test_data_parallel_stays_sharded_and_matches_one_device(name, axis_type):
 
 
 @needs_mesh
+@pytest.mark.slow  # on one device, test_transforms.py's; here the wiring on a mesh
 def test_wrapper_vmap_and_second_derivatives_on_a_mesh():
     mesh = _mesh((N_DEVICES,), ("data",), AxisType.Auto)
     x, k = random(2, (N_DEVICES, 4, 5, 3)), random(3, (3, 3, 3, 4))

@@ -142,11 +142,12 @@ class Case:
 CASES = [
     Case("audio_T17_C3_k4_s2", (2, 17, 3), (4,), 5, dict(strides=2)),
     Case("audio_T23_k3_d3", (1, 23, 4), (3,), 4, dict(dilation=3), fast=False),
-    Case("audio_T9_k5_s3_replicate", (2, 9, 3), (5,), 2, dict(strides=3, padding_mode="replicate")),
+    Case("audio_T9_k5_s3_replicate", (2, 9, 3), (5,), 2, dict(strides=3, padding_mode="replicate"), fast=False),
     Case("audio_T1_k3", (1, 1, 3), (3,), 2, fast=False),
     Case("spec_T11_F7_k3x3_s2x1", (1, 11, 7, 3), (3, 3), 4, dict(strides=(2, 1))),
     Case("spec_T8_F6_k2x3_d1x2_pairs", (2, 8, 6, 2), (2, 3), 3, dict(padding=((0, 2),), dilation=(1, 2)), fast=False),
-    Case("spec_T9_F5_groups2_replicate", (1, 9, 5, 4), (3, 3), 4, dict(feature_group_count=2, padding_mode="replicate")),
+    Case("spec_T9_F5_groups2_replicate", (1, 9, 5, 4), (3, 3), 4, dict(feature_group_count=2, padding_mode="replicate"),
+         fast=False),
     Case("video_T9_6x5_k333", (1, 9, 6, 5, 3), (3, 3, 3), 4, small=False, fast=False),
     Case("video_T17_5x4_k333_s2_replicate", (1, 17, 5, 4, 2), (3, 3, 3), 3,
          dict(strides=(2, 1, 1), padding_mode="replicate"), small=False),
@@ -157,10 +158,11 @@ CASES = [
 
 TRANSPOSED = [
     Case("audio_T7_k4_up2", (2, 7, 3), (4,), 5, dict(strides=2)),  # EnCodec/Mimi: k = 2 s
-    Case("audio_T5_k5_up3_replicate", (1, 5, 4), (5,), 3, dict(strides=3, padding_mode="replicate")),  # two tap counts
+    Case("audio_T5_k5_up3_replicate", (1, 5, 4), (5,), 3, dict(strides=3, padding_mode="replicate"),  # two tap counts
+         fast=False),
     Case("audio_T4_k2_up4_groups2", (2, 4, 4), (2,), 4, dict(strides=4, feature_group_count=2), fast=False),  # k < s: empty phases
     Case("spec_T5_F6_k3x3_up2", (1, 5, 6, 2), (3, 3), 3, dict(strides=2, dilation=(1, 2)), fast=False),
-    Case("video_T4_4x3_k333_up2", (1, 4, 4, 3, 2), (3, 3, 3), 3, dict(strides=2), small=False),
+    Case("video_T4_4x3_k333_up2", (1, 4, 4, 3, 2), (3, 3, 3), 3, dict(strides=2), small=False, fast=False),
 ]
 
 

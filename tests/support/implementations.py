@@ -94,12 +94,15 @@ BACKENDS = _backends()
 # Backends too slow for large or many cases (interpret mode).
 SLOW_BACKENDS: set[str] = {name for name, b in BACKENDS.items() if b.interpret}
 # The backends whose shared suites run in the slow tier (.ci/run runs it after the
-# README's command): the interpreted kernels (test_agreement.py's smoke test keeps one
-# case of each in the README's command), and the xla strategies no platform's default
-# runs at the suites' sizes ("conv" is what "xla" runs on CPU below 128 x 128 channels;
-# "conv_blocks" is only chosen by hand, and test_xla.py's block tests keep it in the
-# README's command).
-SLOW_TIER_BACKENDS: set[str] = SLOW_BACKENDS | ({"xla_conv", "xla_conv_blocks"} & set(BACKENDS))
+# README's command): the interpreted kernels, and the xla strategies this platform's
+# default does not run at the suites' sizes ("xla" on CPU runs "conv" below 128 x 128
+# channels; "gemm" and "conv_blocks" are chosen by hand or for large channel counts;
+# "matmul" is what GPUs run, so on a GPU the "xla" entry runs it in the fast tier).
+# test_agreement.py's smoke test keeps one case of each in the README's command, and
+# test_xla.py's block tests keep "gemm" and "conv_blocks" there.
+SLOW_TIER_BACKENDS: set[str] = SLOW_BACKENDS | (
+    {"xla_conv", "xla_conv_blocks", "xla_gemm", "xla_matmul"} & set(BACKENDS)
+)
 
 
 def backend_params() -> list:

@@ -12,6 +12,7 @@ from maskconv_kernels.bench import sequence
 from maskconv_kernels.bench.__main__ import main
 
 
+@pytest.mark.slow
 def test_the_three_formulations_compute_the_same_function():
     """causal_conv1d, lax.conv depthwise and the shift-and-add: silu(conv + bias) rounded once, and the same gradients."""
     preset, (shape,) = sequence.PRESETS["quick"]

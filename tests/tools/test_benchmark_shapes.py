@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from support.numerics import assert_close, random
+from support.tiers import tiered
 
 from maskconv_kernels.bench import conv as bench
 from maskconv_kernels.bench import roofline
@@ -47,7 +48,10 @@ def _reference(x, k, dy, spec):
 _REFERENCES: dict[str, tuple] = {}
 
 
-@pytest.mark.parametrize("shape", SHAPES + ROOFLINE_SHAPES, ids=lambda s: s.name)
+# The headline and roofline shapes in the fast tier, the grid's others in the slow tier.
+@pytest.mark.parametrize(
+    "shape", tiered(SHAPES + ROOFLINE_SHAPES, lambda s: s in HEADLINE_SHAPES or s in ROOFLINE_SHAPES), ids=lambda s: s.name,
+)
 def test_benchmark_shape_matches_float64(conv, shape: BenchShape):
     if conv.slow:
         pytest.skip(f"{conv.name} runs in interpret mode here, too slow for real-model sizes; tests/cases.py covers it")
@@ -116,6 +120,7 @@ def test_benchmark_cell_reports_exactness_and_metadata():
     assert not by_impl["baseline"]["nan_isolated"] and by_impl["baseline"]["nan_changed"] > 0
 
 
+@pytest.mark.slow
 def test_roofline_rows_carry_rates_efficiencies_memory_and_metadata():
     """The roofline on one tiny shape: a row per map and strategy, each set against its GEMM."""
     shape = BenchShape("tiny_3x3B", "pixelcnn", (6, 6), 4, 4, np.asarray(ROOFLINE_SHAPES[2].mask), 2, 2)

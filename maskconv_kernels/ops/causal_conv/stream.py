@@ -205,8 +205,10 @@ def causal_conv_stream(
     Raises:
       ValueError: a later chunk whose length is not a multiple of ``s_T``, or a state
         of another layer; :func:`~.api.causal_conv`'s errors otherwise. A state passed
-        to a jitted function is traced: its ``started`` cannot be read, and a chunk of
-        another length is taken as the first.
+        to a jitted function is traced, so whether it has started cannot be checked when
+        the chunk is: a chunk whose length is not a multiple of ``s_T`` is then computed
+        as a first chunk, and its outputs are NaN if the state had started (the bug
+        shows, as a traced index outside a decode pool reads NaN).
     """
     op = "causal_conv_stream"
     problem, conv, x, kernel, bias, ids = _setup(op, x_chunk, state, kernel, bias, segment_ids, dict(
@@ -215,14 +217,15 @@ def causal_conv_stream(
         implementation=implementation, interpret=interpret, config=config,
     ), False)
     length, stride, f = problem.frames, problem.stride, problem.context
-    first = state is None
+    first, unchecked = state is None, False
     if length % stride:
-        if state is not None and _started(state) is True:
+        started = None if state is None else _started(state)
+        if started is True:
             raise OpError(op).value(
                 f"after the first chunk every chunk needs a multiple of strides[0] = {stride} frames (each gives "
                 f"length / {stride} outputs), got {length} frames; the first chunk may have any length >= 1"
             )
-        first = True
+        first, unchecked = True, state is not None and started is None
     frames, frame_ids = _history(state, x, problem)
     xe = jnp.concatenate([frames, x], axis=1)  # frames P - F .. P + L - 1
     ide = None if ids is None else jnp.concatenate([frame_ids, ids], axis=1)
@@ -242,7 +245,10 @@ def causal_conv_stream(
     new_state = CausalConvState(
         xe[:, length:], offset, jnp.ones((), bool), None if ide is None else ide[:, length:],
     )
-    return problem.layout.output(finish(y, bias, ids, problem)), new_state
+    y = finish(y, bias, ids, problem)
+    if unchecked:  # a traced state: a started stream given an off-stride chunk gives NaN, never wrong numbers
+        y = jnp.where(state.started, jnp.asarray(jnp.nan, y.dtype), y)
+    return problem.layout.output(y), new_state
 
 
 def causal_conv_transpose_stream(
