@@ -26,7 +26,6 @@ with no more memory; a streamed chunk within ``1.25x`` of its share of the full 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
@@ -43,7 +42,10 @@ from ..ops.causal_conv import causal_conv, causal_conv_stream
 from .chart import publish
 from .machine import cache_bytes, header, metadata
 from .shapes import CAUSAL_SHAPES, CausalShape
-from .timing import DTYPES, Preset, add_grid_arguments, memory, n_input_sets, preset_name, quantile, time_interleaved
+from .timing import (
+    DTYPES, Preset, add_grid_arguments, memory, n_input_sets, overridden, preset_name, quantile, time_interleaved,
+    within_budget,
+)
 
 MODES = ("fwd", "fwd+bwd", "stream")
 OURS, BASELINE = "causal_conv", "jnp.pad + lax.conv"
@@ -420,10 +422,7 @@ def run(args) -> int:
                   f"{s.kernel_shape}, time stride {s.stride}, {s.padding_mode}, chunks of {s.chunk}, N={s.batch} "
                   f"(gpu) / {s.small_batch} (cpu){', in the cpu preset' if s.cpu else ''}")
         return 0
-    if args.dtypes:
-        preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))
-    if args.modes:
-        preset = dataclasses.replace(preset, modes=tuple(args.modes))
+    preset = overridden(preset, args)
     shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
     if not shapes:
         print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
@@ -434,10 +433,7 @@ def run(args) -> int:
     print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
     start, rows = time.perf_counter(), []
     with open(f"{out}.jsonl", "w") as f:
-        for i, (shape, dtype, mode) in enumerate(grid):
-            if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
-                print(f"time budget of {args.time_budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
-                break
+        for shape, dtype, mode in within_budget(grid, args.time_budget, start):
             t = time.perf_counter()
             for row in run_cell(shape, dtype, mode, preset, meta, platform_name):
                 rows.append(row)

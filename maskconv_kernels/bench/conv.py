@@ -25,7 +25,6 @@ matplotlib); prints the tables and a summary last.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -45,8 +44,8 @@ from ..ops.masked_conv.spec import make_spec
 from .chart import chart, draw
 from .machine import cache_bytes, header, metadata
 from .shapes import SHAPES, BenchShape
-from .timing import (DTYPES, Preset, add_grid_arguments, measure_peak, memory, n_input_sets, preset_name, quantile,
-                     time_interleaved)
+from .timing import (DTYPES, Preset, add_grid_arguments, measure_peak, memory, n_input_sets, overridden, preset_name,
+                     quantile, time_interleaved, within_budget)
 
 BASELINE = "baseline"
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -409,11 +408,7 @@ def run(args) -> int:
         return 0
     platform_name = jax.default_backend()
     name = preset_name(args, platform_name)
-    preset = PRESETS[name]
-    if args.dtypes:
-        preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))
-    if args.modes:
-        preset = dataclasses.replace(preset, modes=tuple(args.modes))
+    preset = overridden(PRESETS[name], args)
     out = args.prefix
     meta = metadata(name, args.command)
     grid = cells(preset, args.shapes)
@@ -434,11 +429,7 @@ def run(args) -> int:
             return it
     with open(f"{out}.jsonl", "w") as f:
         bar = tqdm(grid, unit="cell", file=sys.stderr)
-        for shape, dtype, mode in bar:
-            if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
-                print(f"\ntime budget of {args.time_budget:.0f} s spent: skipping the remaining cells",
-                      file=sys.stderr)
-                break
+        for shape, dtype, mode in within_budget(bar, args.time_budget, start):
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(f"{shape.name} {dtype} {mode}")
             for row in run_cell(shape, dtype, mode, preset, meta, peaks, platform_name, args.implementations):

@@ -44,7 +44,9 @@ from jax import lax
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from .chart import publish
 from .machine import header, metadata
-from .timing import DTYPES, Preset, add_grid_arguments, memory, preset_name, quantile, time_interleaved
+from .timing import (
+    DTYPES, Preset, add_grid_arguments, memory, overridden, preset_name, quantile, time_interleaved, within_budget,
+)
 
 MODES = ("fwd", "bwd", "fwd+bwd", "decode")
 OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
@@ -331,10 +333,7 @@ def run(args) -> int:
     platform_name = jax.default_backend()
     name = preset_name(args, platform_name)
     preset, shapes = PRESETS[name]
-    if args.dtypes:
-        preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))
-    if args.modes:
-        preset = dataclasses.replace(preset, modes=tuple(args.modes))
+    preset = overridden(preset, args)
     shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
     if not shapes:
         print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
@@ -349,10 +348,7 @@ def run(args) -> int:
     print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
     start, rows = time.perf_counter(), []
     with open(f"{out}.jsonl", "w") as f:
-        for i, (shape, dtype, mode) in enumerate(grid):
-            if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
-                print(f"time budget of {args.time_budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
-                break
+        for i, (shape, dtype, mode) in enumerate(within_budget(grid, args.time_budget, start)):
             print(f"  {shape.name} {dtype} {mode}", file=sys.stderr, flush=True)
             for row in run_cell(shape, dtype, mode, preset, meta, bandwidth, found, compare=i == 0):
                 rows.append(row)

@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Preset", "DTYPES", "add_grid_arguments", "preset_name", "time_interleaved", "quantile", "measure_peak",
-           "memory", "n_input_sets"]
+__all__ = ["Preset", "DTYPES", "add_grid_arguments", "preset_name", "overridden", "within_budget", "time_interleaved",
+           "quantile", "measure_peak", "memory", "n_input_sets"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -59,6 +60,25 @@ def preset_name(args, platform_name: str) -> str:
     if preset is None:
         return "full"
     return preset if preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
+
+
+def overridden(preset: Preset, args) -> Preset:
+    """``preset`` with the dtypes and modes of ``--dtypes`` and ``--modes``, where given."""
+    if args.dtypes:
+        preset = dataclasses.replace(preset, dtypes=tuple(args.dtypes))
+    if args.modes:
+        preset = dataclasses.replace(preset, modes=tuple(args.modes))
+    return preset
+
+
+def within_budget(grid, budget: float | None, start: float):
+    """The cells of ``grid`` started before ``budget`` seconds have passed since ``start``
+    (``time.perf_counter()``); says on stderr how many were skipped."""
+    for i, cell in enumerate(grid):
+        if budget is not None and time.perf_counter() - start > budget:
+            print(f"\ntime budget of {budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
+            return
+        yield cell
 
 
 def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float]]:

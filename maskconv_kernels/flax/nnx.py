@@ -29,6 +29,15 @@ from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_upda
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv"]
 
 
+
+def _conv_params(rngs, kernel_shape, use_bias, kernel_init, bias_init, param_dtype, kernel_metadata, bias_metadata):
+    """``(kernel, bias)`` as ``nnx.Conv`` draws them (kernel first, then bias), so the same
+    Rngs give the same parameters; ``bias`` is ``nnx.data(None)`` without one."""
+    kernel = nnx.Param(kernel_init(rngs.params(), kernel_shape, param_dtype), **kernel_metadata)
+    if not use_bias:
+        return kernel, nnx.data(None)
+    return kernel, nnx.Param(bias_init(rngs.params(), (kernel_shape[-1],), param_dtype), **bias_metadata)
+
 class Conv(nnx.Module):
     """Exact masked convolution, a drop-in replacement for ``flax.nnx.Conv(mask=...)``.
 
@@ -104,14 +113,10 @@ class Conv(nnx.Module):
         if in_features % feature_group_count:
             raise ValueError(f"feature_group_count={feature_group_count} must divide in_features={in_features}")
         kernel_shape = (*kernel_size, in_features // feature_group_count, out_features)
-        # Drawn in nnx.Conv's order (kernel, then bias) so the same Rngs give the same params.
         self.kernel_shape = kernel_shape
-        self.kernel = nnx.Param(kernel_init(rngs.params(), kernel_shape, param_dtype), **kernel_metadata)
-        self.bias: nnx.Param | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
+        self.kernel, self.bias = _conv_params(
+            rngs, kernel_shape, use_bias, kernel_init, bias_init, param_dtype, kernel_metadata, bias_metadata,
+        )
         self.in_features = in_features
         self.out_features = out_features
         self.kernel_size = kernel_size
@@ -461,13 +466,9 @@ class CausalConv(nnx.Module):
         self.implementation = implementation
         self.interpret = interpret
         self.kernel_shape = _causal_conv.Layer.of(self).kernel_shape(in_features, out_features)
-        # Drawn in nnx.Conv's order (kernel, then bias) so the same Rngs give the same params.
-        self.kernel = nnx.Param(kernel_init(rngs.params(), self.kernel_shape, param_dtype), **kernel_metadata)
-        self.bias: nnx.Param | None
-        if use_bias:
-            self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype), **bias_metadata)
-        else:
-            self.bias = nnx.data(None)
+        self.kernel, self.bias = _conv_params(
+            rngs, self.kernel_shape, use_bias, kernel_init, bias_init, param_dtype, kernel_metadata, bias_metadata,
+        )
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = use_bias

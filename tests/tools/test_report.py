@@ -96,6 +96,9 @@ def test_readme_quick_start_is_what_ci_runs():
     commands = re.findall(r"^(pip install .*)$", quick_start, re.M)
     assert commands == [report_command, test_command]
     assert report_command == "pip install . && python -m maskconv_kernels"
+    # The one documentation build command the README names is the one CI builds with.
+    docs_command = re.search(r"DOCS_COMMAND='(.*)'", ci).group(1)
+    assert re.findall(r"^(pip install \"\.\[docs\]\".*)$", readme, re.M) == [docs_command]
 
 
 def test_json_path_is_checked_before_measuring(tmp_path):
