@@ -168,9 +168,11 @@ def kernel_rule(
             for message in lowering_warnings:
                 warnings.filterwarnings("ignore", message=message, category=DeprecationWarning)
             out = (split if split is not None and several_devices(plain) else lowered)(plain, *operands)
-        if carried:
-            threaded = plain.tokens_out.get(_ordered_io_effect()) if plain.tokens_out is not None else None
-            ctx.set_tokens_out(_mlir.TokenSet({_INTERPRETER: threaded if threaded is not None else ctx.tokens_in.get(_INTERPRETER)}))
+        if carried:  # the token the interpreter threaded out, or ours unchanged where it threaded none
+            token = ctx.tokens_in.get(_INTERPRETER)
+            if plain.tokens_out is not None:
+                token = plain.tokens_out.get(_ordered_io_effect())
+            ctx.set_tokens_out(_mlir.TokenSet({_INTERPRETER: token}))
         return out
 
     return rule

@@ -29,7 +29,6 @@ from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_upda
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv"]
 
 
-
 def _conv_params(rngs, kernel_shape, use_bias, kernel_init, bias_init, param_dtype, kernel_metadata, bias_metadata):
     """``(kernel, bias)`` as ``nnx.Conv`` draws them (kernel first, then bias), so the same
     Rngs give the same parameters; ``bias`` is ``nnx.data(None)`` without one."""
@@ -37,6 +36,7 @@ def _conv_params(rngs, kernel_shape, use_bias, kernel_init, bias_init, param_dty
     if not use_bias:
         return kernel, nnx.data(None)
     return kernel, nnx.Param(bias_init(rngs.params(), (kernel_shape[-1],), param_dtype), **bias_metadata)
+
 
 class Conv(nnx.Module):
     """Exact masked convolution, a drop-in replacement for ``flax.nnx.Conv(mask=...)``.

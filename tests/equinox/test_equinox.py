@@ -17,6 +17,7 @@ import jax.random as jrandom
 import numpy as np
 import pytest
 from support.numerics import assert_close, random
+from support.tiers import tiered
 
 import maskconv_kernels as mk
 
@@ -172,8 +173,7 @@ def _full(case, theirs) -> np.ndarray:
     return bits if bits.ndim == theirs.weight.ndim else np.broadcast_to(bits, theirs.weight.shape)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=() if i < 1 else pytest.mark.slow) for i, c in enumerate(CASES)],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("case", tiered(CASES, lambda c: c is CASES[0]), ids=lambda c: c.name)
 def test_same_fields_parameters_and_outputs_as_equinox(case):
     ours, theirs = _pair(case)
     assert isinstance(ours, eqx.nn.Conv)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.numerics import TOLERANCE, assert_close, random
+from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import decode
@@ -41,7 +42,7 @@ FAST_PIXEL_CASES = {"7x7A", "5x5B_dil2"}
 
 
 @pytest.mark.parametrize(
-    "name", [n if n in FAST_PIXEL_CASES else pytest.param(n, marks=pytest.mark.slow) for n in sorted(PIXEL_CASES)]
+    "name", tiered(sorted(PIXEL_CASES), lambda n: n in FAST_PIXEL_CASES)
 )
 def test_pixel_steps_equal_the_full_layer_at_every_position(name):
     mask, kw = PIXEL_CASES[name]

@@ -16,6 +16,7 @@ from support.implementations import suite_dtype
 from support.numerics import random
 from jax import lax
 from support.lax_oracle import assert_matches_lax, dense_mask, lax_conv64
+from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import backends
@@ -53,7 +54,7 @@ PERMUTED = [
 
 @pytest.mark.parametrize(
     "which, order",
-    [pytest.param(*p, marks=() if p in FAST_PERMUTED else pytest.mark.slow) for p in PERMUTED],
+    tiered(PERMUTED, lambda p: p in FAST_PERMUTED, spread=True),
     ids=[f"{w}_{o}" for w, o in PERMUTED],
 )
 def test_every_dimension_order_lax_takes(which, order):
@@ -106,7 +107,7 @@ TRANSPOSE_CASES = [
 
 
 @pytest.mark.parametrize("x_shape, k_shape, strides, padding, rhs_dilation, dn",
-                         [pytest.param(*c, marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(TRANSPOSE_CASES)],
+                         tiered(TRANSPOSE_CASES, lambda c: c is TRANSPOSE_CASES[0], spread=True),
                          ids=[f"{len(c[0]) - 2}d_s{''.join(map(str, c[2]))}_{c[3] if isinstance(c[3], str) else 'pairs'}_{c[5][0]}"
                               for c in TRANSPOSE_CASES])
 def test_transposed_convolution_matches_lax_conv_transpose(x_shape, k_shape, strides, padding, rhs_dilation, dn):

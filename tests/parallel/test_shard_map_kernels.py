@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from support.implementations import BACKENDS
 from support.numerics import random
+from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels.ops.causal_conv1d.backends import REGISTRY as CAUSAL_CONV1D
@@ -34,7 +35,7 @@ def _kernel_backends():
     """xla and every kernel backend; the interpreters that run as host callbacks (slow) in the slow tier."""
     names = sorted(name for name, b in BACKENDS.items() if b.implementation != "xla" or name == "xla")
     slow = {"triton", "pallas_mosaic_gpu"}
-    return [pytest.param(n, marks=pytest.mark.slow) if BACKENDS[n].implementation in slow else n for n in names]
+    return tiered(names, lambda n: BACKENDS[n].implementation not in slow)
 
 
 @pytest.mark.parametrize("name", _kernel_backends())
