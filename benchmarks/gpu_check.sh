@@ -5,7 +5,9 @@
 #
 # Stages, each under its own timeout so that one slow stage cannot eat the others:
 #   1. machine and versions (nvidia-smi, jax, jaxlib, triton, commit)      -> env.json
-#   2. the leak report's experiments, lax.conv/cuDNN beside masked_conv
+#   2. the original report's two experiments verbatim, lax.conv and masked_conv,
+#      eager and jitted (python -m benchmarks.seed_experiment)             -> the log
+#   2b. the leak report's experiments, lax.conv/cuDNN beside masked_conv
 #      (python -m maskconv_kernels): the most informative minute, first    -> leak_report.json
 #   3. the benchmark grid against cuDNN, the headline shapes' fwd+bwd for the
 #      default backend first, with a time budget (python -m
@@ -39,12 +41,13 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
-TUNE_TIMEOUT=${TUNE_TIMEOUT:-120}
-TUNE_BUDGET=${TUNE_BUDGET:-80}      # kernels started after this many seconds are skipped
+SEED_TIMEOUT=${SEED_TIMEOUT:-45}
+TUNE_TIMEOUT=${TUNE_TIMEOUT:-90}
+TUNE_BUDGET=${TUNE_BUDGET:-60}      # kernels started after this many seconds are skipped
 TUNE_ARGS=${TUNE_ARGS:-}            # e.g. "--dtypes bfloat16"
 PYTEST_K=${PYTEST_K:-}              # a pytest -k expression, e.g. "triton or pallas"
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-120}
-REPORT_TIMEOUT=${REPORT_TIMEOUT:-40}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-60}
+REPORT_TIMEOUT=${REPORT_TIMEOUT:-45}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
 BENCH_BUDGET=${BENCH_BUDGET:-80}    # cells started after this many seconds are skipped
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -99,7 +102,11 @@ STATUS[env]=$?
 [ "${STATUS[env]}" = 0 ] || { echo "no usable jax on a GPU: stopping"; exit 1; }
 TAG=$(echo "${GPU_NAME:-cpu}" | tr '[:upper:]' '[:lower:]' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//')
 
-stage "2. the leak report's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+stage "2. the original report's experiments verbatim: lax.conv (cuDNN) and masked_conv, eager and jitted (limit ${SEED_TIMEOUT}s)"
+timeout "$SEED_TIMEOUT" "$PYTHON" -m benchmarks.seed_experiment
+STATUS[seed]=$?
+
+stage "2b. the leak report's experiments: lax.conv (cuDNN) and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
 timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --quick --json "$OUT/leak_report.json"
 STATUS[leak_report]=$?
 
@@ -210,7 +217,7 @@ fi
 echo
 echo "| stage | exit status |"
 echo "|---|---|"
-for s in env bench short_conv causal_conv leak_report pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+for s in env seed leak_report bench short_conv causal_conv pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START ))s"

@@ -40,6 +40,7 @@ from jax import lax
 
 from ..ops.causal_conv import causal_conv, causal_conv_stream
 from .chart import publish
+from .exactness import leak_cell, measure, nan_cell
 from .machine import cache_bytes, header, metadata
 from .shapes import CAUSAL_SHAPES, CausalShape
 from .timing import (
@@ -237,6 +238,9 @@ def run_cell(shape: CausalShape, dtype_name: str, mode: str, preset: Preset, met
     for name, ts in times.items():
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           samples=len(ts))
+    if mode != "stream":
+        for name in times:
+            measure(compiled[name], mode, argsets[name][0], rows[name], shape.stride)
     if mode == "stream":
         for step_name, (_, full, _) in pairs.items():
             row = rows[step_name]
@@ -300,16 +304,17 @@ def markdown(rows: list[dict]) -> str:
         "Median ms (p20-p80 over samples); memory = temp + output bytes of the compiled executable "
         "(`memory_analysis()`); speed-up = the baseline's median / this row's. `stream`: one chunk of "
         "`chunk` frames after a first chunk; its share = chunk / T of the same side's full pass (timed in the "
-        "same samples).",
+        "same samples); measured on the timed executables, leak = max |dx| at frames after the one output "
+        "frame given a cotangent, NaN-isolated = output frames before NaN input frames stay bit-identical.",
         "",
         "| shape | N | dtype | mode | implementation | median ms | p20-p80 ms | speed-up | memory MiB "
-        "| full pass ms | chunk / share | compile s | max abs diff |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| full pass ms | chunk / share | compile s | max abs diff | leak | NaN-isolated |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['batch']} | {r['dtype']} | {r['mode']} | {r['implementation']} "
-                         f"| error: {r['error'][:80]} ||||||||")
+                         f"| error: {r['error'][:80]} ||||||||||")
             continue
         if "median_s" not in r:
             continue
@@ -319,7 +324,8 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['dtype']} | {r['mode']} | {r['implementation']} "
             f"| {_ms(r['median_s'])} | {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {speed} | {_mib(r.get('mem_bytes'))} "
-            f"| {_ms(r.get('full_pass_s'))} | {share} | {r['compile_s']:.2f} | {diff} |"
+            f"| {_ms(r.get('full_pass_s'))} | {share} | {r['compile_s']:.2f} | {diff} | {leak_cell(r)} "
+            f"| {nan_cell(r)} |"
         )
     return "\n".join(lines)
 

@@ -42,6 +42,7 @@ from ..ops.masked_conv import backends, masked_conv
 from ..ops.masked_conv.reference import leaky_masked_conv
 from ..ops.masked_conv.spec import make_spec
 from .chart import chart, draw
+from .exactness import leak_cell, nan_cell
 from .machine import cache_bytes, header, metadata
 from .shapes import SHAPES, BenchShape
 from .timing import (DTYPES, Preset, add_grid_arguments, measure_peak, memory, n_input_sets, overridden, preset_name,
@@ -272,19 +273,6 @@ def _mib(b):
     return "—" if b is None else f"{b / 2**20:.1f}"
 
 
-def _leak(row):
-    if "leak_max_abs" not in row:
-        return "—"
-    v = row["leak_max_abs"]
-    return "0" if v == 0.0 else f"**{v:.1e}**"
-
-
-def _nan(row):
-    if "nan_isolated" not in row:
-        return "—"
-    return "yes" if row["nan_isolated"] else f"**no** ({row['nan_changed']} changed)"
-
-
 def markdown(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
@@ -313,7 +301,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {_ms(r['median_s'])} | {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {r.get('speedup', 0):.2f}x "
             f"| {r['tflops']:.3g} | {100 * r['frac_peak']:.1f} "
             f"| {_mib(r.get('peak_bytes'))} "
-            f"| {r['compile_s']:.2f} | {_leak(r)} | {_nan(r)} |"
+            f"| {r['compile_s']:.2f} | {leak_cell(r)} | {nan_cell(r)} |"
         )
     skipped = {}
     for r in rows:
@@ -341,8 +329,8 @@ def pivot(rows: list[dict], mode: str = "fwd+bwd") -> str:
         b = by[BASELINE]
         cols = [shape, str(b["batch"]), dtype, _ms(b["median_s"])]
         cols += [f"{_ms(by[i]['median_s'])} ({by[i]['speedup']:.2f}x)" if i in by else "—" for i in impls]
-        cols.append(" / ".join(_leak(by[i]) if i in by else "—" for i in [BASELINE, *impls]))
-        cols.append(" / ".join(_nan(by[i]).split(" (")[0] if i in by else "—" for i in [BASELINE, *impls]))
+        cols.append(" / ".join(leak_cell(by[i]) if i in by else "—" for i in [BASELINE, *impls]))
+        cols.append(" / ".join(nan_cell(by[i]).split(" (")[0] if i in by else "—" for i in [BASELINE, *impls]))
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 

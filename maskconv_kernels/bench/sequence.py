@@ -43,6 +43,7 @@ from jax import lax
 
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from .chart import publish
+from .exactness import leak_cell, measure, nan_cell
 from .machine import header, metadata
 from .timing import (
     DTYPES, Preset, add_grid_arguments, memory, overridden, preset_name, quantile, time_interleaved, within_budget,
@@ -225,6 +226,9 @@ def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: 
         for ref in (LAX, SHIFT):
             if ref in times and name != ref:
                 rows[name][f"vs_{ref}"] = rows[ref]["median_s"] / rows[name]["median_s"]
+    if mode != "decode":
+        for name in times:
+            measure(compiled[name], mode, argsets[0], rows[name])
     if compare and SHIFT in compiled:
         reference = jax.tree_util.tree_leaves(compiled[SHIFT](*argsets[0]))
         for name in compiled:
@@ -244,16 +248,18 @@ def _ms(s):
 def markdown(rows: list[dict]) -> str:
     lines = [
         "Median ms (p20-p80); roofline = ideal bytes / bandwidth (the fraction of it achieved in brackets); "
-        f"speed-ups are {LAX}'s and {SHIFT}'s time over this row's.",
+        f"speed-ups are {LAX}'s and {SHIFT}'s time over this row's; measured on the timed executables, leak = "
+        "max |dx| at positions after the one output given a cotangent, NaN-isolated = outputs before NaN inputs "
+        "stay bit-identical.",
         "",
         "| shape | dtype | mode | implementation | median ms | p20-p80 ms | roofline ms (achieved) "
-        f"| vs {LAX} | vs {SHIFT} | peak MiB |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| vs {LAX} | vs {SHIFT} | peak MiB | leak | NaN-isolated |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | error: "
-                         f"{r['error'][:80]} ||||||")
+                         f"{r['error'][:80]} ||||||||")
             continue
         if "median_s" not in r:
             continue
@@ -262,7 +268,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | {_ms(r['median_s'])} "
             f"| {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {_ms(r['roofline_s'])} ({100 * r['frac_roofline']:.0f}%) "
-            f"| {vs[0]} | {vs[1]} | {peak} |"
+            f"| {vs[0]} | {vs[1]} | {peak} | {leak_cell(r)} | {nan_cell(r)} |"
         )
     return "\n".join(lines)
 

@@ -69,6 +69,10 @@ def test_a_tiny_run_writes_rows_with_metadata_and_memory(tmp_path):
             assert r["vs_share"] == pytest.approx(r["median_s"] / r["share_s"])
         if r["implementation"] in (bench.OURS, bench.STREAM_OURS):
             assert r["max_abs_diff"] < 1e-4  # measured on the timed executables
+        if r["mode"] != "stream":  # exactness on the timed executables, the strided audio layer's
+            assert r["nan_isolated"] and r["nan_changed"] == 0 < r["nan_clean_outputs"]
+            assert (r["leak_max_abs"] == 0.0 and r["leak_field_reached"]) if r["mode"] == "fwd+bwd" else (
+                "leak_max_abs" not in r)
     text = (tmp_path / "q.md").read_text()
     assert text.startswith("Device:") and "## Targets" in text
     assert f"| {shape.name} | float32 | fwd+bwd |" in bench.targets(rows)
