@@ -42,11 +42,11 @@ ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/gpu-check}
 SEED_TIMEOUT=${SEED_TIMEOUT:-45}
-TUNE_TIMEOUT=${TUNE_TIMEOUT:-90}
-TUNE_BUDGET=${TUNE_BUDGET:-60}      # kernels started after this many seconds are skipped
+TUNE_TIMEOUT=${TUNE_TIMEOUT:-80}
+TUNE_BUDGET=${TUNE_BUDGET:-55}      # kernels started after this many seconds are skipped
 TUNE_ARGS=${TUNE_ARGS:-}            # e.g. "--dtypes bfloat16"
 PYTEST_K=${PYTEST_K:-}              # a pytest -k expression, e.g. "triton or pallas"
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-60}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-90}
 REPORT_TIMEOUT=${REPORT_TIMEOUT:-45}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-120}
 BENCH_BUDGET=${BENCH_BUDGET:-80}    # cells started after this many seconds are skipped
@@ -133,8 +133,12 @@ STATUS[causal_conv]=${PIPESTATUS[0]}
 rm -f "$OUT/causal_conv.md"  # its tables are in the log (the summary); the device returns 8 files at most
 
 stage "6. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
-PYTEST_ARGS=(-q -p no:cacheprovider -p no:benchmark --durations=10 -rs)
+# -v: each test's name and result as it ends, so a run cut by its limit still names its
+# failures (2026-12-04: ~30 failed before the limit, unnamed under -q); --session-timeout
+# (pytest-timeout >= 2.3) ends the session in time to print the failures' tracebacks.
+PYTEST_ARGS=(-v -p no:cacheprovider -p no:benchmark --durations=10 -rfEs --tb=short)
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PYTEST_ARGS+=(--timeout=60)
+"$PYTHON" -m pytest --help 2>/dev/null | grep -q -- --session-timeout && PYTEST_ARGS+=(--session-timeout=$((PYTEST_TIMEOUT - 20)))
 # Compilation dominates: spread the tests over worker processes, which then share the
 # GPU, so none may preallocate most of its memory.
 "$PYTHON" -c "import xdist" 2>/dev/null && PYTEST_ARGS+=(-n "${PYTEST_WORKERS:-8}")
@@ -147,7 +151,8 @@ PYTEST_PATHS=${PYTEST_PATHS:-tests/masked_conv/test_pallas_mosaic_gpu.py tests/m
 PYTEST_PATHS=$(for f in $PYTEST_PATHS; do [ -e "$f" ] && echo "$f"; done | tr '\n' ' ')
 [ -n "$PYTEST_K" ] && PYTEST_ARGS+=(-k "$PYTEST_K")
 # shellcheck disable=SC2086
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -40
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest "${PYTEST_ARGS[@]}" $PYTEST_PATHS 2>&1 \
+  | grep -v -e PytestBenchmarkWarning -e "warnings.warn" | tee "$OUT/pytest.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -60
 STATUS[pytest]=${PIPESTATUS[0]}
 
 stage "7. per-kernel timings and tile sweep on the headline shapes (budget ${TUNE_BUDGET}s, limit ${TUNE_TIMEOUT}s)"

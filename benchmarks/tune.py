@@ -55,6 +55,7 @@ from maskconv_kernels.ops.masked_conv.pallas_triton import BlockSizes
 from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 KINDS = ("fwd", "dx", "dw")
+KERNEL_NAMES = {"fwd": "forward", "dx": "input_grad", "dw": "weight_grad"}  # BlockSizes.get_default's
 
 # (block_m, block_n, block_k, num_warps, num_stages) of one GEMM: for the forward
 # m = output pixels, n = C_out, k = C_in; for the input gradient m = input pixels,
@@ -239,10 +240,10 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
                    mgpu_default, (x, k, dy), row)
 
     # Pallas: each kernel alone, per candidate tile.
-    default = BlockSizes.get_default(spec, dtype)
     for kind in KINDS if runs("pallas_triton", cpu_check) else ():
         if time.perf_counter() > deadline:
             break
+        default = BlockSizes.get_default(spec, dtype, KERNEL_NAMES[kind])
         cands = {gemm_of(kind, default): default}
         for cand in CANDIDATES[np.dtype(dtype).itemsize]:
             cands.setdefault(cand, blocks_for(kind, default, cand))

@@ -74,10 +74,11 @@ PRESETS = {
     "cpu": (Preset(False, ("float32", "bfloat16"), MODES, samples=7, min_sample_s=0.05, warmup=1,
                    max_input_sets=1, peak_n=0),
             tuple(_mamba(4, 2048, 1536, w) for w in (4, 2, 3, 8))),
-    # Mamba-2 130M's conv channels at 2k, a GDN layer at 4k, D = 4096 at 8k; the other widths.
+    # Mamba-2 130M's conv channels at 2k, causal-conv1d's published shape (D = 4128 at 16k),
+    # a GDN layer at 4k, D = 4096 at 8k; the other widths.
     "gpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=15, min_sample_s=0.002, warmup=2,
                    max_input_sets=4, peak_n=0),
-            (_mamba(4, 2048, 1536, 4), _mamba(8, 4096, 2048, 4), _mamba(4, 8192, 4096, 4),
+            (_mamba(4, 2048, 1536, 4), _mamba(4, 16384, 4128, 4), _mamba(8, 4096, 2048, 4), _mamba(4, 8192, 4096, 4),
              _mamba(4, 2048, 1536, 2), _mamba(4, 2048, 1536, 3), _mamba(4, 2048, 1536, 8))),
     # A smoke test (CI, tests): one small shape, the fused kernels interpreted off a GPU.
     "quick": (Preset(False, ("float32",), MODES, samples=2, min_sample_s=0.0, warmup=1, max_input_sets=1,
@@ -329,8 +330,8 @@ def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
 
 def add_arguments(parser) -> None:
     add_grid_arguments(parser, PRESETS, "cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu: "
-                       "Mamba-2 and gated-DeltaNet layers at 2k-8k tokens; quick: one tiny shape, the fused kernels "
-                       "interpreted off a GPU", "a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)",
+                       "Mamba-2 and gated-DeltaNet layers at 2k-8k tokens and causal-conv1d's B=4, L=16384, D=4128; "
+                       "quick: one tiny shape, the fused kernels interpreted off a GPU", "a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)",
                        MODES)
 
 

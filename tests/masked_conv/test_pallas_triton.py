@@ -19,6 +19,7 @@ import maskconv_kernels as mk
 from maskconv_kernels import core, masked_conv_reference, pallas
 from maskconv_kernels.api import implementation_for
 from maskconv_kernels.pallas import BlockSizes
+from maskconv_kernels.ops.masked_conv.pallas_triton.config import KERNELS
 from maskconv_kernels.hardware import COMPUTE_CAPABILITY
 from maskconv_kernels.problem import kernel_problem
 from maskconv_kernels.reference import masked_conv_reference_vjp
@@ -162,7 +163,9 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     loss = lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton").astype(jnp.float32).sum()
     _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
     assert len(modules) == 3, len(modules)
-    blocks = BlockSizes.get_default(spec, jnp.bfloat16)
+    # The three kernels' default tiles launch alike in 16-bit, so one set of options compiles what runs.
+    (launch,) = {(b.num_warps, b.num_stages) for b in
+                 (BlockSizes.get_default(spec, jnp.bfloat16, kernel) for kernel in KERNELS)}
     # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
     if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
         monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", with_ttir_passes)
@@ -181,7 +184,7 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
         path = tmp_path / f"kernel{i}.ttir"
         path.write_text(module)
         # Fusion as XLA compiles Pallas kernels (on), stated: triton 3.9 warns when unset.
-        options = dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages, enable_fp_fusion=True)
+        options = dict(num_warps=launch[0], num_stages=launch[1], enable_fp_fusion=True)
         ptx = triton.compile(str(path), target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=options).asm["ptx"]
         assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
         assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
@@ -298,13 +301,41 @@ def test_block_sizes_are_frozen_and_hashable():
     assert hash(blocks) == hash(BlockSizes())
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("c", [1, 3, 130, 256])
-def test_default_block_sizes_fit_the_problem(c, dtype):
+def test_default_block_sizes_fit_the_problem(c, dtype, kernel):
     x, k = jnp.ones((1, 8, 8, c), dtype), jnp.ones((3, 3, c, c), dtype)
-    blocks = BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), dtype)
+    blocks = BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), dtype, kernel)
     assert blocks == BlockSizes(**vars(blocks))  # a valid config
     assert blocks.block_c_in <= max(16, 2 * c) and blocks.block_c_out <= max(16, 2 * c)
+    if c <= 3:  # a tile shrunk to the channels gets 4 warps, not 8
+        assert blocks.num_warps == 4
+
+
+# The GEMM tiles (m, n, k, warps, stages) that won each kernel's sweep on an H200 at the headline shapes
+# (N=64, 32x32, C=256; benchmarks/results/h200-2026-12-04/tune_long.json).
+H200_BEST = {
+    (jnp.bfloat16, "forward"): (128, 256, 64, 8, 3), (jnp.bfloat16, "input_grad"): (128, 256, 64, 8, 3),
+    (jnp.bfloat16, "weight_grad"): (128, 256, 64, 8, 3), (jnp.float32, "forward"): (128, 64, 32, 4, 3),
+    (jnp.float32, "input_grad"): (128, 128, 32, 8, 3), (jnp.float32, "weight_grad"): (128, 128, 16, 8, 4),
+}
+
+
+@pytest.mark.parametrize("dtype, kernel", list(H200_BEST), ids=[f"{d.__name__}-{k}" for d, k in H200_BEST])
+def test_default_tiles_at_the_headline_shape_are_the_measured_best(dtype, kernel):
+    x, k = jnp.ones((64, 32, 32, 256), dtype), jnp.ones((7, 7, 256, 256), dtype)
+    b = BlockSizes.get_default(make_spec(x, k, mk.pixelcnn_mask((7, 7), "A")), dtype, kernel)
+    gemm = {"forward": (b.block_pixels, b.block_c_out, b.block_c_in),
+            "input_grad": (b.block_pixels, b.block_c_in, b.block_c_out),
+            "weight_grad": (b.block_c_in, b.block_c_out, b.block_pixels_reduce)}[kernel]
+    assert gemm + (b.num_warps, b.num_stages) == H200_BEST[dtype, kernel]
+
+
+def test_default_block_sizes_name_the_kernel():
+    x, k = jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), jnp.float32, "backward")
 
 
 def test_block_sizes_must_be_a_config():

@@ -55,9 +55,10 @@ REGISTRY = Registry(
         Implementation("pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", interpreter="effects", traits=_KERNELS),
     ),
     # Tried in order by implementation=None, per lowering platform; "xla" runs everything.
-    # pallas_mosaic_gpu first: on sm_90 it takes 16-bit, stride-1 window masks; the rest
-    # falls through to pallas_triton, then xla.
-    ("pallas_mosaic_gpu", "pallas_triton", "xla"),
+    # pallas_triton first on NVIDIA GPUs: on an H200 its kernels (per-kernel default
+    # tiles) beat pallas_mosaic_gpu's at both headline shapes, and Mosaic GPU takes a
+    # subset of its problems (docs/performance.md#h200); pallas_mosaic_gpu is named only.
+    ("pallas_triton", "pallas_mosaic_gpu", "xla"),
     _requirements,
 )
 BACKENDS = REGISTRY.by_name

@@ -21,7 +21,7 @@ from ...._core.hardware import TL_DOT_MIN_BLOCK
 from ...._core.tiling import next_pow2, reduction_splits
 from ..spec import ConvSpec
 
-__all__ = ["Config", "BlockSizes", "weight_grad_splits"]
+__all__ = ["Config", "BlockSizes", "KERNELS", "weight_grad_splits"]
 
 _MIN_BLOCK = TL_DOT_MIN_BLOCK
 _MAX_BLOCK = 512
@@ -62,27 +62,52 @@ class Config:
             raise ValueError(f"Config.num_stages must be an int from 1 to 8, got {self.num_stages!r}")
 
     @classmethod
-    def get_default(cls, spec: ConvSpec, dtype) -> Config:
-        """The heuristic: channel tiles fit the channel counts, 16-bit inputs get larger tiles.
+    def get_default(cls, spec: ConvSpec, dtype, kernel: str = "forward") -> Config:
+        """The heuristic: one GEMM tile per kernel and dtype, shrunk to the channel counts.
 
-        Channel tiles are the next power of two of the channel count, capped at 64 (32 for
-        the float32 reduction tile, whose operands take twice the shared memory), so that
-        C=3 wastes a 16-wide tile, not a 64-wide one. Pixel tiles grow when the output
-        has many pixels and few channels, so that a program still has work to amortise
-        its index arithmetic over.
+        Each kernel is a GEMM of ``m x n`` tiles reduced in steps of ``k`` (the module
+        docstring says which dims): ``(128, 256, 64)``, 8 warps and 3 stages for 16-bit
+        inputs, for every kernel; for float32, ``(128, 64, 32)`` with 4 warps and 3 stages
+        (forward), ``(128, 128, 32)`` with 8 and 3 (input gradient), ``(128, 128, 16)``
+        with 8 and 4 (weight gradient). These won a sweep of each kernel alone on an H200
+        at the headline shapes (docs/performance.md). A channel dim's tile is the next
+        power of two of its channel count when that is smaller, so that C=3 wastes a
+        16-wide tile, not a 256-wide one; a tile that shrinks to fewer than 128x128
+        elements gets 4 warps.
+
+        Args:
+          spec: the convolution.
+          dtype: the inputs' dtype.
+          kernel: ``"forward"``, ``"input_grad"`` or ``"weight_grad"``: the kernel the
+            config is for (a config passed by the user applies to all three).
         """
-        wide = np.dtype(dtype).itemsize >= 4
-        c_in = min(next_pow2(max(spec.c_in, _MIN_BLOCK)), 32 if wide else 64)
-        c_out = min(next_pow2(max(spec.c_out, _MIN_BLOCK)), 64 if wide else 128)
-        pixels = 64 if max(spec.c_in, spec.c_out) >= 64 else 128
-        return cls(
-            block_pixels=pixels,
-            block_c_in=c_in,
-            block_c_out=c_out,
-            block_pixels_reduce=64 if wide else 128,
-            num_warps=4 if c_out * pixels <= 64 * 64 else 8,
-            num_stages=2 if wide else 3,
-        )
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        m, n, k, warps, stages = _GEMM_TILES[np.dtype(dtype).itemsize >= 4][kernel]
+        c_in, c_out = spec.c_in, spec.c_out
+        if kernel == "forward":
+            fields = dict(block_pixels=m, block_c_out=_fit(c_out, n), block_c_in=_fit(c_in, k))
+            tile = m * fields["block_c_out"]
+        elif kernel == "input_grad":
+            fields = dict(block_pixels=m, block_c_in=_fit(c_in, n), block_c_out=_fit(c_out, k))
+            tile = m * fields["block_c_in"]
+        else:
+            fields = dict(block_c_in=_fit(c_in, m), block_c_out=_fit(c_out, n), block_pixels_reduce=k)
+            tile = fields["block_c_in"] * fields["block_c_out"]
+        return cls(**fields, num_warps=warps if tile >= 128 * 128 else 4, num_stages=stages)
+
+
+def _fit(channels: int, cap: int) -> int:
+    """A channel dim's tile: the next power of two of the channel count, at most ``cap``."""
+    return min(cap, next_pow2(max(channels, _MIN_BLOCK)))
+
+
+# (m, n, k, num_warps, num_stages) per kernel, by whether the inputs are 32-bit.
+_GEMM_TILES = {
+    False: {"forward": (128, 256, 64, 8, 3), "input_grad": (128, 256, 64, 8, 3), "weight_grad": (128, 256, 64, 8, 3)},
+    True: {"forward": (128, 64, 32, 4, 3), "input_grad": (128, 128, 32, 8, 3), "weight_grad": (128, 128, 16, 8, 4)},
+}
+KERNELS = tuple(_GEMM_TILES[True])
 
 
 BlockSizes = Config  # its name before every backend's config was Config

@@ -44,11 +44,11 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
     return None
 
 
-def _blocks(job) -> Config:
-    return job.config if job.config is not None else Config.get_default(job.spec, job.dtype)
+def _blocks(job, kernel: str) -> Config:
+    return job.config if job.config is not None else Config.get_default(job.spec, job.dtype, kernel)
 
 
-def _geometry(job, batch: int) -> Geometry:
+def _geometry(job, batch: int, kernel: str) -> Geometry:
     p = job.problem
     pixels = max(p.in_hw[0] * p.in_hw[1], p.out_hw[0] * p.out_hw[1])
     if batch * pixels >= _INT32_LIMIT:
@@ -56,7 +56,7 @@ def _geometry(job, batch: int) -> Geometry:
             f'implementation="pallas_triton" does not support this problem: N * pixels = {batch} * {pixels} '
             "does not fit the kernels' int32 pixel index; split the batch"
         )
-    return Geometry(p, _blocks(job))
+    return Geometry(p, _blocks(job, kernel))
 
 
 def _padded_kernel(k, g: Geometry):
@@ -75,20 +75,20 @@ def _common(a, b):
 
 def forward(x, k, job, out_dtype):
     """``y: [N, OH, OW, C_out]`` from ``x: [N, H, W, C_in]``, ``k: [KH, KW, C_in, C_out]``."""
-    g = _geometry(job, x.shape[0])
+    g = _geometry(job, x.shape[0], "forward")
     x, k = _common(x, k)
     return kernels.forward(x, _padded_kernel(k, g), g, out_dtype, job.interpret)
 
 
 def input_grad(dy, k, job, out_dtype):
     """``dx: [N, H, W, C_in]`` from ``dy: [N, OH, OW, C_out]``: the transpose of :func:`forward` in ``x``."""
-    g = _geometry(job, dy.shape[0])
+    g = _geometry(job, dy.shape[0], "input_grad")
     dy, k = _common(dy, k)
     return kernels.input_grad(dy, _padded_kernel(k, g), g, out_dtype, job.interpret)
 
 
 def weight_grad(x, dy, job, out_dtype):
     """``[splits, T, C_in, C_out]``: partial weight gradients of the active taps only."""
-    g = _geometry(job, x.shape[0])
+    g = _geometry(job, x.shape[0], "weight_grad")
     x, dy = _common(x, dy)
     return kernels.weight_grad(x, dy, g, out_dtype, job.interpret)
