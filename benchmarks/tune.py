@@ -36,7 +36,6 @@ import concurrent.futures
 import dataclasses
 import json
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ import numpy as np
 import maskconv_kernels as mk
 from maskconv_kernels.bench.machine import metadata
 from maskconv_kernels.bench.shapes import HEADLINE_SHAPES, BenchShape
-from maskconv_kernels.bench.timing import DTYPES
+from maskconv_kernels.bench.timing import DTYPES, median_times
 from maskconv_kernels.ops.masked_conv import backends
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Tiles
 from maskconv_kernels.ops.masked_conv.pallas_triton import BlockSizes
@@ -148,20 +147,8 @@ def gemm_of(kind: str, b: BlockSizes):
 
 
 def time_fn(compiled, args, samples: int = 15, min_sample_s: float = 0.003, warmup: int = 2) -> float:
-    """Median seconds per call; each sample is ``n`` back-to-back calls and one block."""
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    t = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    n = max(1, int(min_sample_s / max(time.perf_counter() - t, 1e-7)) + 1)
-    ts = []
-    for _ in range(samples):
-        t = time.perf_counter()
-        for _ in range(n):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / n)
-    return statistics.median(ts)
+    """Median seconds per call; each sample is ``n`` back-to-back calls and one block (the benchmarks' loop)."""
+    return median_times({"f": compiled}, [args], samples, min_sample_s, warmup)["f"]
 
 
 def _compile_all(fns: dict, args: dict, label: str, workers: int = 8) -> dict:

@@ -40,9 +40,10 @@ from jax import lax
 
 from ..ops.causal_conv import causal_conv, causal_conv_stream
 from .chart import publish
-from .exactness import leak_cell, measure, nan_cell
+from .exactness import measure
 from .machine import cache_bytes, header, metadata
 from .shapes import CAUSAL_SHAPES, CausalShape
+from .table import leak_cell, mib, ms, nan_cell
 from .timing import (
     DTYPES, Preset, add_grid_arguments, memory, n_input_sets, overridden, preset_name, quantile, time_interleaved,
     within_budget,
@@ -275,12 +276,6 @@ def cells(shapes, preset: Preset):
 # --------------------------------------------------------------------------- output
 
 
-def _ms(s):
-    return "—" if s is None else f"{1e3 * s:.3g}"
-
-
-def _mib(b):
-    return "—" if b is None else f"{b / 2**20:.3g}"
 
 
 def _mark(ok: bool) -> str:
@@ -323,8 +318,9 @@ def markdown(rows: list[dict]) -> str:
         speed = f"{r['speedup']:.2f}x" if "speedup" in r else "—"
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['dtype']} | {r['mode']} | {r['implementation']} "
-            f"| {_ms(r['median_s'])} | {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {speed} | {_mib(r.get('mem_bytes'))} "
-            f"| {_ms(r.get('full_pass_s'))} | {share} | {r['compile_s']:.2f} | {diff} | {leak_cell(r)} "
+            f"| {ms(r['median_s'])} | {ms(r['p20_s'])}-{ms(r['p80_s'])} | {speed} "
+            f"| {mib(r.get('mem_bytes'), '.3g')} "
+            f"| {ms(r.get('full_pass_s'))} | {share} | {r['compile_s']:.2f} | {diff} | {leak_cell(r)} "
             f"| {nan_cell(r)} |"
         )
     return "\n".join(lines)
@@ -348,16 +344,16 @@ def targets(rows: list[dict]) -> str:
             ratio = mine["vs_share"]
             ok = "" if ratio <= STREAM_TARGET else " **missed**"
             other = f"{theirs['vs_share']:.2f}x" if "vs_share" in theirs else "—"
-            stream.append(f"| {mine['shape']} | {mine['dtype']} | {mine['chunk']} | {_ms(mine['median_s'])} "
-                          f"| {_ms(mine['share_s'])} | {ratio:.2f}x{ok} | {_ms(theirs['median_s'])} | {other} "
-                          f"| {_mib(mine.get('mem_bytes'))} | {_mib(theirs.get('mem_bytes'))} |")
+            stream.append(f"| {mine['shape']} | {mine['dtype']} | {mine['chunk']} | {ms(mine['median_s'])} "
+                          f"| {ms(mine['share_s'])} | {ratio:.2f}x{ok} | {ms(theirs['median_s'])} | {other} "
+                          f"| {mib(mine.get('mem_bytes'), '.3g')} | {mib(theirs.get('mem_bytes'), '.3g')} |")
         else:
             speed = mine["speedup"]
             ok = "" if speed >= SPEED_TARGET else " **missed**"
             m, t = mine.get("mem_bytes"), theirs.get("mem_bytes")
             mem_ok = "—" if m is None or t is None else _mark(m <= t)
-            full.append(f"| {mine['shape']} | {mine['dtype']} | {mine['mode']} | {_ms(theirs['median_s'])} "
-                        f"| {_ms(mine['median_s'])} | {speed:.2f}x{ok} | {_mib(t)} | {_mib(m)} | {mem_ok} |")
+            full.append(f"| {mine['shape']} | {mine['dtype']} | {mine['mode']} | {ms(theirs['median_s'])} "
+                        f"| {ms(mine['median_s'])} | {speed:.2f}x{ok} | {mib(t, '.3g')} | {mib(m, '.3g')} | {mem_ok} |")
     return ("Full pass: the baseline's time / ours, and memory (temp + output):\n\n" + "\n".join(full)
             + "\n\nStreaming: one chunk's time / its share of the same side's full pass (chunk / T of it):\n\n"
             + "\n".join(stream))

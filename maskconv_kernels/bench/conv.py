@@ -42,9 +42,9 @@ from ..ops.masked_conv import backends, masked_conv
 from ..ops.masked_conv.reference import leaky_masked_conv
 from ..ops.masked_conv.spec import make_spec
 from .chart import chart, draw
-from .exactness import leak_cell, nan_cell
 from .machine import cache_bytes, header, metadata
 from .shapes import SHAPES, BenchShape
+from .table import leak_cell, mib, ms, nan_cell
 from .timing import (DTYPES, Preset, add_grid_arguments, measure_peak, memory, n_input_sets, overridden, preset_name,
                      quantile, time_interleaved, within_budget)
 
@@ -265,12 +265,6 @@ def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta
 # --------------------------------------------------------------------------- output
 
 
-def _ms(s):
-    return "—" if s is None else f"{1e3 * s:.3g}"
-
-
-def _mib(b):
-    return "—" if b is None else f"{b / 2**20:.1f}"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -298,9 +292,9 @@ def markdown(rows: list[dict]) -> str:
             continue
         lines.append(
             f"| {r['shape']} | {r['batch']} | {r['dtype']} | {r['mode']} | {r['implementation']} "
-            f"| {_ms(r['median_s'])} | {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {r.get('speedup', 0):.2f}x "
+            f"| {ms(r['median_s'])} | {ms(r['p20_s'])}-{ms(r['p80_s'])} | {r.get('speedup', 0):.2f}x "
             f"| {r['tflops']:.3g} | {100 * r['frac_peak']:.1f} "
-            f"| {_mib(r.get('peak_bytes'))} "
+            f"| {mib(r.get('peak_bytes'))} "
             f"| {r['compile_s']:.2f} | {leak_cell(r)} | {nan_cell(r)} |"
         )
     skipped = {}
@@ -327,8 +321,8 @@ def pivot(rows: list[dict], mode: str = "fwd+bwd") -> str:
         if BASELINE not in by:
             continue
         b = by[BASELINE]
-        cols = [shape, str(b["batch"]), dtype, _ms(b["median_s"])]
-        cols += [f"{_ms(by[i]['median_s'])} ({by[i]['speedup']:.2f}x)" if i in by else "—" for i in impls]
+        cols = [shape, str(b["batch"]), dtype, ms(b["median_s"])]
+        cols += [f"{ms(by[i]['median_s'])} ({by[i]['speedup']:.2f}x)" if i in by else "—" for i in impls]
         cols.append(" / ".join(leak_cell(by[i]) if i in by else "—" for i in [BASELINE, *impls]))
         cols.append(" / ".join(nan_cell(by[i]).split(" (")[0] if i in by else "—" for i in [BASELINE, *impls]))
         lines.append("| " + " | ".join(cols) + " |")

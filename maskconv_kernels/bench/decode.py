@@ -29,7 +29,6 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import statistics
 import sys
 import time
 import types
@@ -41,6 +40,7 @@ import numpy as np
 
 from .chart import publish
 from .machine import header, metadata, short_commit
+from .timing import median_times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +77,13 @@ QUICK = (
 
 
 def _median_times(fns: dict, reps: int, budget_s: float = 6.0, max_reps: int = 25) -> dict:
-    """Median seconds per function, calls interleaved; the first call of each compiles.
+    """Median seconds per function, calls interleaved (:func:`.timing.median_times`); the first call of
+    each compiles, and is timed apart.
 
     Cheap cases get more than ``reps`` calls (up to ``max_reps``, within about
     ``budget_s``): their medians are the noisiest on a shared machine.
     """
-    first, times = {}, {k: [] for k in fns}
+    first = {}
     for name, fn in fns.items():
         t = time.perf_counter()
         jax.block_until_ready(fn())
@@ -91,12 +92,7 @@ def _median_times(fns: dict, reps: int, budget_s: float = 6.0, max_reps: int = 2
     for fn in fns.values():
         jax.block_until_ready(fn())
     reps = max(reps, min(max_reps, int(budget_s / (time.perf_counter() - t))))
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}, first, reps
+    return median_times(fns, [()], reps, warmup=0), first, reps
 
 
 def load_examples(folder: str | None) -> types.SimpleNamespace:

@@ -1,4 +1,4 @@
-"""Exactness measured on the executables a benchmark timed, and its table cells.
+"""Exactness measured on the executables a benchmark timed.
 
 Every mode that times a convolution also runs the same compiled executable twice more:
 once with a cotangent at one output only (what gradient reaches inputs that output may
@@ -6,7 +6,8 @@ not read?) and once with NaN in inputs some outputs may not read (did any of tho
 outputs change, bit for bit?). On a GPU this is the point of the columns: cuDNN's
 algorithms may mix taps, so ``lax.conv`` can leak where ours cannot. The convolution
 grid measures it over a mask (:func:`maskconv_kernels.bench.conv.exactness`); this
-module does it along time, for the causal modes (``sequence``, ``causal_conv``).
+module does it along time, for the causal modes (``sequence``, ``causal_conv``); their
+table cells are :mod:`.table`'s.
 """
 from __future__ import annotations
 
@@ -73,18 +74,3 @@ def measure(compiled, mode: str, args, row: dict, stride: int = 1) -> None:
         row.update(along_time(compiled, mode, args, stride))
     except Exception as e:  # the timing stands; say why the exactness is missing
         row["exactness_error"] = f"{type(e).__name__}: {e}"[:300]
-
-
-def leak_cell(row: dict) -> str:
-    """The largest leaked gradient: ``0``, or the value in bold; ``—`` where not measured."""
-    if "leak_max_abs" not in row:
-        return "—"
-    v = row["leak_max_abs"]
-    return "0" if v == 0.0 else f"**{v:.1e}**"
-
-
-def nan_cell(row: dict) -> str:
-    """``yes`` where no clean output changed, else how many did; ``—`` where not measured."""
-    if "nan_isolated" not in row:
-        return "—"
-    return "yes" if row["nan_isolated"] else f"**no** ({row['nan_changed']} changed)"

@@ -48,6 +48,7 @@ from .conv import PRESETS
 from .chart import publish
 from .machine import header, loadavg, metadata
 from .shapes import ROOFLINE_SHAPES, BenchShape
+from .table import mib
 from .timing import DTYPES, Preset, memory, quantile, time_interleaved
 
 
@@ -174,9 +175,6 @@ def _time(fns: dict, args: dict, timing: Preset) -> dict[str, list[float]]:
 # --------------------------------------------------------------------------- output
 
 
-def _mib(b):
-    return "—" if b is None else f"{b / 2**20:.1f}"
-
 
 def table(rows: list[dict]) -> str:
     lines = [
@@ -195,7 +193,7 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['map']} | {r['strategy']} | {1e3 * r['median_s']:.2f} "
             f"| {1e3 * r['p20_s']:.2f}-{1e3 * r['p80_s']:.2f} | {r['gflops']:.0f} | {eff} "
-            f"| {_mib(r.get('temp_bytes'))} | {extra} | {r['loadavg']} |"
+            f"| {mib(r.get('temp_bytes'))} | {extra} | {r['loadavg']} |"
         )
     lines += [
         "",

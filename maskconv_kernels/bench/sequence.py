@@ -43,8 +43,9 @@ from jax import lax
 
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from .chart import publish
-from .exactness import leak_cell, measure, nan_cell
+from .exactness import measure
 from .machine import header, metadata
+from .table import leak_cell, ms, nan_cell
 from .timing import (
     DTYPES, Preset, add_grid_arguments, memory, overridden, preset_name, quantile, time_interleaved, within_budget,
 )
@@ -242,9 +243,6 @@ def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: 
 # --------------------------------------------------------------------------- output
 
 
-def _ms(s):
-    return "—" if s is None else f"{1e3 * s:.3g}"
-
 
 def markdown(rows: list[dict]) -> str:
     lines = [
@@ -267,8 +265,8 @@ def markdown(rows: list[dict]) -> str:
         vs = [f"{r[k]:.2f}x" if k in r else "—" for k in (f"vs_{LAX}", f"vs_{SHIFT}")]
         peak = "—" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
         lines.append(
-            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | {_ms(r['median_s'])} "
-            f"| {_ms(r['p20_s'])}-{_ms(r['p80_s'])} | {_ms(r['roofline_s'])} ({100 * r['frac_roofline']:.0f}%) "
+            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | {ms(r['median_s'])} "
+            f"| {ms(r['p20_s'])}-{ms(r['p80_s'])} | {ms(r['roofline_s'])} ({100 * r['frac_roofline']:.0f}%) "
             f"| {vs[0]} | {vs[1]} | {peak} | {leak_cell(r)} | {nan_cell(r)} |"
         )
     return "\n".join(lines)
@@ -331,8 +329,8 @@ def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
 def add_arguments(parser) -> None:
     add_grid_arguments(parser, PRESETS, "cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu: "
                        "Mamba-2 and gated-DeltaNet layers at 2k-8k tokens and causal-conv1d's B=4, L=16384, D=4128; "
-                       "quick: one tiny shape, the fused kernels interpreted off a GPU", "a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)",
-                       MODES)
+                       "quick: one tiny shape, the fused kernels interpreted off a GPU",
+                       "a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)", MODES)
 
 
 def run(args) -> int:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["Preset", "DTYPES", "add_grid_arguments", "preset_name", "overridden", "within_budget", "time_interleaved",
-           "quantile", "measure_peak", "memory", "n_input_sets"]
+           "median_times", "quantile", "measure_peak", "memory", "n_input_sets"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -87,12 +87,16 @@ def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float
     ``argsets`` is a list of argument tuples, rotated within a sample so that no call
     finds its inputs in cache because the previous call left them there; or a dict
     giving each function its own list (functions of different arguments timed together).
+    With ``preset.min_sample_s`` 0 a sample is one call, and no call is made to size it.
     """
     sets = argsets if isinstance(argsets, dict) else {name: argsets for name in fns}
     n_inner = {}
     for name, fn in fns.items():
         for i in range(preset.warmup):
             jax.block_until_ready(fn(*sets[name][i % len(sets[name])]))
+        if preset.min_sample_s <= 0:
+            n_inner[name] = 1
+            continue
         t = time.perf_counter()
         jax.block_until_ready(fn(*sets[name][0]))
         one = time.perf_counter() - t
@@ -109,6 +113,15 @@ def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t) / n)
     return times
+
+
+def median_times(fns: dict, argsets, samples: int, min_sample_s: float = 0.0, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, samples interleaved: :func:`time_interleaved`
+    for the tools that time a few functions without a grid's :class:`Preset` (the report, the
+    tuner, the decode benchmark)."""
+    preset = Preset(False, (), (), samples=samples, min_sample_s=min_sample_s, warmup=warmup, max_input_sets=1,
+                    peak_n=0)
+    return {name: statistics.median(ts) for name, ts in time_interleaved(fns, argsets, preset).items()}
 
 
 def quantile(values, q: float) -> float:

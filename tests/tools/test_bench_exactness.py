@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maskconv_kernels.bench.exactness import along_time, leak_cell, nan_cell
+from maskconv_kernels.bench.exactness import along_time
+from maskconv_kernels.bench.table import leak_cell, nan_cell
 
 
 def _conv(x, w, reach):

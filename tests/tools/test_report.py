@@ -75,8 +75,13 @@ def test_format_report_explains_each_row_for_the_device():
     leaking = dict(result, platform="gpu")
     leaking["exactness"] = dict(result["exactness"])
     leaking["exactness"]["lax.conv(kernel*mask)"] = dict(figures, masked_tap_gradient=1.1e-7)
-    assert "leaks here in rows 1, 2, 4" in report.format_report(leaking)
+    assert "leaks here in row 1 (" in report.format_report(leaking)
+    assert "reads 0 in rows 2, 4, and rows 3 and 5 fail" in report.format_report(leaking)
     assert "| 1. gradient through masked taps | 1.1e-07 | 0 | 0 |" in report.format_report(leaking)
+    # As on an H200: the stack leaks, the single layer does not.
+    leaking["exactness"]["lax.conv(kernel*mask)"] = dict(figures, stack_gradient=3.3e-8, stack_nan=81)
+    assert "leaks here in row 4 (" in report.format_report(leaking)
+    assert "reads 0 in rows 1, 2, and rows 3 and 5 fail" in report.format_report(leaking)
 
 
 def test_experiments_detect_a_leak():
