@@ -91,24 +91,30 @@ class Registry:
     def __iter__(self):
         return iter(self.by_name.values())
 
-    def get(self, name: str) -> Implementation:
+    def get(self, name: str, op: str | None = None) -> Implementation:
         try:
             return self.by_name[name]
         except (KeyError, TypeError):
-            raise ValueError(f"{self.op}: implementation must be None or one of {self.names}, got {name!r}") from None
+            raise ValueError(f"{op or self.op}: implementation must be None or one of {self.names}, got {name!r}") \
+                from None
 
-    def check(self, name: str, problem: Any, interpret: bool, config: Any) -> Implementation:
-        """The named implementation, if it takes ``problem`` and ``config`` (the platform is asked when lowered)."""
-        implementation = self.get(name)
+    def check(self, name: str, problem: Any, interpret: bool, config: Any, op: str | None = None) -> Implementation:
+        """The named implementation, if it takes ``problem`` and ``config`` (the platform is asked when lowered).
+
+        ``op``: the public function called, in the errors, when another than the registry's
+        op calls it (``causal_conv1d_update`` runs ``causal_conv1d``'s registry).
+        """
+        op = op or self.op
+        implementation = self.get(name, op)
         cls = implementation.config_class()
         if config is not None and not isinstance(config, cls):
             raise TypeError(
-                f'{self.op}(implementation="{name}") takes config={cls.__module__}.{cls.__qualname__}(...) or None, '
+                f'{op}(implementation="{name}") takes config={cls.__module__}.{cls.__qualname__}(...) or None, '
                 f"got {type(config).__name__}"
             )
         reason = implementation.unsupported(problem, None, interpret)
         if reason is not None:
-            raise NotImplementedError(f'{self.op}(implementation="{name}") does not support this problem: {reason}')
+            raise NotImplementedError(f'{op}(implementation="{name}") does not support this problem: {reason}')
         return implementation
 
     def choose(self, problem: Any, platform: str, interpret: bool = False) -> Implementation:

@@ -181,7 +181,7 @@ def causal_conv1d_update(
     indices = None
     rows = conv_state
     if conv_state_indices is not None:
-        indices = _update.check_state_indices(conv_state_indices, batch, shape[0])
+        indices = _update.check_state_indices(conv_state_indices, batch, shape[0], name="conv_state_indices")
         rows = _update.read_slots(conv_state, indices)
     out, new_rows = _update.causal_conv1d_update(
         _swap(xt), _swap(rows), weight.T, bias, activation=activation, cache_seqlens=cache_seqlens,

@@ -274,6 +274,8 @@ BAD = [
     ("x rank", dict(x=random(4, (2, 1, 1, 8))), ValueError, r"\(B, T, D\), or \(B, D\)"),
     ("weight dim", dict(weight=random(5, (4, 9))), ValueError, r"weight must be \(W, D\)"),
     ("activation", dict(activation="gelu"), ValueError, "activation must be None, 'silu'"),
+    ("implementation", dict(implementation="cudnn"), ValueError, "implementation must be None or one of"),
+    ("interpret", dict(interpret=1), TypeError, "interpret must be True or False"),
 ]
 
 
@@ -287,10 +289,19 @@ def _call(**changes):
 
 @pytest.mark.parametrize("what,changes,error,message", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_raises_and_overwrites_nothing(what, changes, error, message):
+    """In the words of the function called: the checks it shares with causal_conv1d name it too."""
     before = np.asarray(POOL).copy()
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as raised:
         _call(**changes)
+    assert str(raised.value).startswith("causal_conv1d_update: "), str(raised.value)
     np.testing.assert_array_equal(_bits(POOL), _bits(before))
+
+
+def test_the_full_convolution_names_itself_in_the_checks_it_shares():
+    with pytest.raises(ValueError, match=r"^causal_conv1d: weight must be \(W, D\)"):
+        causal_conv1d(X, random(5, (4, 9)))
+    with pytest.raises(ValueError, match=r"^causal_conv1d: implementation must be None or one of"):
+        causal_conv1d(X, W, implementation="cudnn")
 
 
 def test_a_donated_pool_survives_an_error_raised_while_tracing():

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..._core.errors import OpError
 from ..masked_conv import masked_conv
 from . import phases
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
-from .checks import OpError, Problem, make_problem
+from .checks import Problem, make_problem
 
 __all__ = ["causal_conv", "causal_conv_transpose", "IMPLEMENTATIONS", "PREFERENCE"]
 

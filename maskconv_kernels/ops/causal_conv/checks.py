@@ -19,29 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._core.args import as_operand, as_segment_ids, float_dtype, ints, is_int, padding_pairs
+from ..._core.errors import OpError
 from ..masked_conv.layout import Layout
 from ..masked_conv.spec import ConvSpec, make_spec
 
-__all__ = ["PADDING_MODES", "Problem", "make_problem", "OpError"]
+__all__ = ["PADDING_MODES", "Problem", "make_problem"]
 
 PADDING_MODES = ("zeros", "replicate")
-
-
-class OpError:
-    """Raises errors in an op's words: ``causal_conv: ...`` (or ``causal_conv_stream: ...``)."""
-
-    def __init__(self, op: str):
-        self.op = op
-
-    def value(self, message: str) -> ValueError:
-        return ValueError(f"{self.op}: {message}")
-
-    def type(self, message: str) -> TypeError:
-        return TypeError(f"{self.op}: {message}")
-
-    def reworded(self, error: Exception) -> Exception:
-        """A shared normaliser's error (it names the argument) with the op in front."""
-        return type(error)(f"{self.op}: {error}")
 
 
 @dataclasses.dataclass(frozen=True)

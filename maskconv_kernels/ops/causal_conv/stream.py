@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..._core.errors import OpError
 from . import phases
 from .api import finish, time_conv, transposed_phases
-from .checks import OpError, Problem, make_problem
+from .checks import Problem, make_problem
 
 __all__ = [
     "CausalConvState", "causal_conv_stream", "causal_conv_transpose_stream", "causal_conv_stream_init",

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import jax
 
+from ..._core.errors import OpError
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
-from .checks import make_problem
+from .checks import OP, make_problem
 from .state import final_state
 
 __all__ = ["causal_conv1d", "IMPLEMENTATIONS", "PREFERENCE"]
@@ -70,17 +71,25 @@ def causal_conv1d(
       NotImplementedError: the named implementation does not take this problem, or cannot
         be lowered for the platform.
     """
+    return run(OP, x, weight, bias, segment_ids, initial_state, return_final_state=return_final_state,
+               activation=activation, dilation=dilation, implementation=implementation, interpret=interpret,
+               config=config)
+
+
+def run(err: OpError, x, weight, bias, segment_ids, initial_state, *, return_final_state, activation, dilation,
+        implementation, interpret, config):
+    """:func:`causal_conv1d` with its errors in ``err``'s words (``causal_conv1d_update`` calls it so)."""
     if not isinstance(interpret, bool):
-        raise TypeError(f"causal_conv1d: interpret must be True or False, got {interpret!r}")
+        raise err.type(f"interpret must be True or False, got {interpret!r}")
     problem, x, weight, bias, ids, initial_state = make_problem(
-        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation,
+        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation, err=err,
     )
     if implementation is None:
         if config is not None:
-            raise ValueError("causal_conv1d: config= is the config of one implementation: name it with implementation=")
+            raise err.value("config= is the config of one implementation: name it with implementation=")
         chosen = REGISTRY.get(PREFERENCE[0])
     else:
-        chosen = REGISTRY.check(implementation, problem, interpret, config)
+        chosen = REGISTRY.check(implementation, problem, interpret, config, op=err.op)
     y = chosen.load().forward(x, weight, bias, ids, initial_state, problem=problem, config=config, interpret=interpret)
     if not return_final_state:
         return y

@@ -1,6 +1,8 @@
 """``causal_conv1d``'s problem: its arguments checked once, in its own words, into a frozen :class:`Problem`.
 
-Every implementation takes a :class:`Problem` and never re-validates. Layouts are
+Every implementation takes a :class:`Problem` and never re-validates. The checks shared
+with :func:`~.update.causal_conv1d_update` take the caller's :class:`~..._core.errors.OpError`,
+so a message names the function the user called. Layouts are
 channels-last: ``x (B, L, D)``, ``weight (W, D)``, states ``(B, (W - 1) * dilation, D)``.
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from ..._core.args import as_operand, as_segment_ids, is_int
+from ..._core.errors import OpError
 
 __all__ = ["ACTIVATIONS", "Problem", "make_problem", "check_activation", "check_operands", "check_state"]
 
@@ -47,16 +50,19 @@ class Problem:
         return named
 
 
-def check_activation(activation) -> None:
+OP = OpError("causal_conv1d")
+
+
+def check_activation(activation, err: OpError = OP) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"causal_conv1d: activation must be None, 'silu' or 'swish' (the same), got {activation!r}")
+        raise err.value(f"activation must be None, 'silu' or 'swish' (the same), got {activation!r}")
 
 
-def check_operands(x, weight, bias, dilation) -> tuple[int, int, int]:
+def check_operands(x, weight, bias, dilation, err: OpError = OP) -> tuple[int, int, int]:
     """The shapes shared by the full convolution and the decode step; returns ``(W, D, state length)``."""
     if x.ndim != 3:
-        raise ValueError(
-            f"causal_conv1d: x must be (B, L, D), channels-last (batch, positions, channels), got shape {tuple(x.shape)}"
+        raise err.value(
+            f"x must be (B, L, D), channels-last (batch, positions, channels), got shape {tuple(x.shape)}"
             + (": x needs a batch axis, x[None] gives one" if x.ndim == 2 else "")
         )
     d = x.shape[-1]
@@ -67,41 +73,40 @@ def check_operands(x, weight, bias, dilation) -> tuple[int, int, int]:
         elif weight.ndim == 2 and x.shape[1] == weight.shape[1]:
             hint = (" (x looks like causal-conv1d's (B, D, L): x is read channels-last (B, L, D); transpose it, or "
                     "use maskconv_kernels.compat.causal_conv1d_fn)")
-        raise ValueError(
-            f"causal_conv1d: weight must be (W, D) = (width, {d}) to match x of shape {tuple(x.shape)} read as "
+        raise err.value(
+            f"weight must be (W, D) = (width, {d}) to match x of shape {tuple(x.shape)} read as "
             f"(B, L, D), got {tuple(weight.shape)}{hint}"
         )
     if weight.shape[0] < 1:
-        raise ValueError(f"causal_conv1d: weight needs a width of at least 1, got {tuple(weight.shape)}")
+        raise err.value(f"weight needs a width of at least 1, got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (d,):
-        raise ValueError(f"causal_conv1d: bias must be (D,) = ({d},), got {tuple(bias.shape)}")
+        raise err.value(f"bias must be (D,) = ({d},), got {tuple(bias.shape)}")
     if not is_int(dilation) or dilation < 1:
-        raise ValueError(f"causal_conv1d: dilation must be a positive int, got {dilation!r}")
+        raise err.value(f"dilation must be a positive int, got {dilation!r}")
     width = int(weight.shape[0])
     return width, d, (width - 1) * int(dilation)
 
 
-def check_state(name: str, state, batch: int, state_len: int, d: int, dtype) -> None:
+def check_state(name: str, state, batch: int, state_len: int, d: int, dtype, err: OpError = OP) -> None:
     expected = (batch, state_len, d)
     if tuple(state.shape) != expected:
-        raise ValueError(
-            f"causal_conv1d: {name} must be (B, (W - 1) * dilation, D) = {expected}, got {tuple(state.shape)}"
-        )
+        raise err.value(f"{name} must be (B, (W - 1) * dilation, D) = {expected}, got {tuple(state.shape)}")
     if np.dtype(state.dtype) != np.dtype(dtype):
-        raise TypeError(f"causal_conv1d: {name} must have x's dtype {np.dtype(dtype)}, got {np.dtype(state.dtype)}")
+        raise err.type(f"{name} must have x's dtype {np.dtype(dtype)}, got {np.dtype(state.dtype)}")
 
 
-def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1):
+def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1,
+                 err: OpError = OP):
     """The arguments checked: ``(problem, x, weight, bias, segment_ids, initial_state)``, arrays as arrays."""
-    check_activation(activation)
+    check_activation(activation, err)
     x, weight = as_operand("x", x), as_operand("weight", weight)
     bias = None if bias is None else as_operand("bias", bias)
-    width, d, state_len = check_operands(x, weight, bias, dilation)
+    width, d, state_len = check_operands(x, weight, bias, dilation, err)
     batch, length = x.shape[:2]
     ids = None if segment_ids is None else as_segment_ids(segment_ids, x.shape[:-1], "x's shape without D, (B, L)")
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)
-        check_state("initial_state", initial_state, batch, state_len, d, x.dtype)
+        check_state("initial_state", initial_state, batch, state_len, d, x.dtype, err)
     problem = Problem(
         batch=int(batch), length=int(length), dim=int(d), width=width, dilation=int(dilation),
         silu=activation is not None, has_bias=bias is not None, segmented=ids is not None,

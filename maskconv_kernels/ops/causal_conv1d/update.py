@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import causal_conv1d
+from .api import run
 from ..._core.args import as_operand
+from ..._core.errors import OpError
 from .checks import check_activation, check_operands
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
 PAD_SLOT_ID = -1
+
+OP = OpError("causal_conv1d_update")  # its errors, and those of the checks it shares, in its name
 
 
 def causal_conv1d_update(
@@ -43,8 +46,8 @@ def causal_conv1d_update(
     causal-conv1d's ``causal_conv1d_update`` (``cache_seqlens``, ``conv_state_indices``)
     channels-last, functional, with several tokens per call. Row ``b`` reads and rewrites
     slot ``state_indices[b]`` of the pool and no other; its outputs are those
-    :func:`causal_conv1d` gives for its tokens after the inputs the slot holds, computed
-    by :func:`causal_conv1d` itself (``initial_state``: the slot's last
+    :func:`~.api.causal_conv1d` gives for its tokens after the inputs the slot holds, computed
+    by :func:`~.api.causal_conv1d` itself (``initial_state``: the slot's last
     ``(W - 1) * dilation`` inputs), so that decoding a sequence step by step from an
     empty slot gives the full forward's outputs bit for bit wherever XLA compiles the
     two programs' arithmetic alike. (It need not: LLVM may contract a product and an add
@@ -60,7 +63,7 @@ def causal_conv1d_update(
         dilation``. Linear (``cache_seqlens=None``): a slot holds the last ``state_len``
         inputs of its sequence, oldest first (Mamba keeps ``state_len = W``). Circular
         (``cache_seqlens`` given): input ``p`` of a sequence lives at ``p % state_len``.
-      weight, bias, activation, dilation, implementation, interpret: as in :func:`causal_conv1d`.
+      weight, bias, activation, dilation, implementation, interpret: as in :func:`~.api.causal_conv1d`.
       state_indices: ``(B,)`` signed integers or ``None`` (row ``b`` uses slot ``b``; then
         ``S == B``). :data:`PAD_SLOT_ID` (-1) marks a row that holds no request: its
         outputs are zeros and it reads and writes nothing. Concrete indices are checked
@@ -80,24 +83,24 @@ def causal_conv1d_update(
 
     Returns:
       ``y`` shaped like ``x`` in x's dtype (accumulated in float32, as
-      :func:`causal_conv1d`), and the new pool (same shape and dtype as ``conv_state``).
+      :func:`~.api.causal_conv1d`), and the new pool (same shape and dtype as ``conv_state``).
     """
-    check_activation(activation)
+    check_activation(activation, OP)
     x, weight = as_operand("x", x), as_operand("weight", weight)
     conv_state = as_operand("conv_state", conv_state)
     bias = None if bias is None else as_operand("bias", bias)
     if x.ndim not in (2, 3):
-        raise ValueError(f"causal_conv1d_update: x must be (B, T, D), or (B, D) for one token, got shape {tuple(x.shape)}")
+        raise OP.value(f"x must be (B, T, D), or (B, D) for one token, got shape {tuple(x.shape)}")
     one_token = x.ndim == 2
     xt = x[:, None] if one_token else x
-    _, d, window = check_operands(xt, weight, bias, dilation)
+    _, d, window = check_operands(xt, weight, bias, dilation, OP)
     batch, tokens = xt.shape[:2]
     slots, state_len = _check_pool(conv_state, window, d, x.dtype, batch if state_indices is None else None)
     indices = None if state_indices is None else check_state_indices(state_indices, batch, slots)
     if cache_seqlens is not None:
         cache_seqlens = check_row_values("cache_seqlens", cache_seqlens, batch, "iu")
         if state_len == 0:
-            raise ValueError("cache_seqlens (a circular state) needs conv_state with state_len >= 1, got 0")
+            raise OP.value("cache_seqlens (a circular state) needs conv_state with state_len >= 1, got 0")
     if has_initial_state is not None:
         has_initial_state = check_row_values("has_initial_state", has_initial_state, batch, "b")
 
@@ -113,10 +116,8 @@ def causal_conv1d_update(
         kept = min(tokens, state_len)  # a longer x overwrites its own first tokens
         written = (seqlens + jnp.arange(tokens - kept, tokens)) % state_len
         new_rows = jax.vmap(lambda row, at, values: row.at[at].set(values))(rows, written, xt[:, tokens - kept :])
-    y = causal_conv1d(
-        xt, weight, bias, initial_state=before, activation=activation, dilation=dilation,
-        implementation=implementation, interpret=interpret,
-    )
+    y = run(OP, xt, weight, bias, None, before, return_final_state=False, activation=activation, dilation=dilation,
+            implementation=implementation, interpret=interpret, config=None)
     if indices is None:
         new_state = new_rows
     else:
@@ -173,63 +174,64 @@ def _check_pool(conv_state, window: int, d: int, dtype, batch: int | None):
     """
     shape = tuple(conv_state.shape)
     if len(shape) != 3 or shape[2] != d or shape[1] < window:
-        raise ValueError(
+        raise OP.value(
             f"conv_state must be (S, state_len, D) with state_len >= (W - 1) * dilation = {window} and D = {d}, "
             f"got {shape}"
         )
     if batch is not None and shape[0] != batch:
-        raise ValueError(
+        raise OP.value(
             f"conv_state has {shape[0]} slots but x has {batch} rows: without state_indices row b uses slot b, "
             "so they must be equal; pass state_indices (B,) to choose each row's slot in a larger pool"
         )
     if np.dtype(conv_state.dtype) != np.dtype(dtype):
-        raise TypeError(
+        raise OP.type(
             f"conv_state must have x's dtype {np.dtype(dtype)}, got {np.dtype(conv_state.dtype)}: it holds past "
             "inputs, so allocate it in the dtype of the inputs"
         )
     return shape[0], shape[1]
 
 
-def check_row_values(name: str, value, batch: int, kinds: str):
+def check_row_values(name: str, value, batch: int, kinds: str, err: OpError = OP):
     """One value per row: ``(B,)`` of a dtype kind in ``kinds`` (``"iu"`` integers, ``"b"`` bools)."""
     if not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):
         value = jnp.asarray(value)
     dtype = np.dtype(value.dtype)
     if dtype.kind not in kinds:
         what = "integers" if kinds == "iu" else "bools"
-        raise TypeError(f"{name} must hold {what}, one per row of x, got dtype {dtype}")
+        raise err.type(f"{name} must hold {what}, one per row of x, got dtype {dtype}")
     if tuple(value.shape) != (batch,):
-        raise ValueError(f"{name} must have shape (B,) = ({batch},), one per row of x, got {tuple(value.shape)}")
+        raise err.value(f"{name} must have shape (B,) = ({batch},), one per row of x, got {tuple(value.shape)}")
     if kinds == "iu" and not _is_traced(value) and (np.asarray(value) < 0).any():
-        raise ValueError(f"{name} must be non-negative, got {np.asarray(value).tolist()}")
+        raise err.value(f"{name} must be non-negative, got {np.asarray(value).tolist()}")
     return value
 
 
-def check_state_indices(state_indices, batch: int, slots: int):
-    """``(B,)`` integers; concrete ones in ``[0, slots)`` or :data:`PAD_SLOT_ID`, no slot twice."""
+def check_state_indices(state_indices, batch: int, slots: int, err: OpError = OP, name: str = "state_indices"):
+    """``(B,)`` integers; concrete ones in ``[0, slots)`` or :data:`PAD_SLOT_ID`, no slot twice.
+
+    ``err`` and ``name``: the public function and its argument, for the messages.
+    """
     if not isinstance(state_indices, (jax.Array, jax.ShapeDtypeStruct)):
         state_indices = jnp.asarray(state_indices)
     dtype = np.dtype(state_indices.dtype)
     if dtype.kind != "i":
-        raise TypeError(
-            f"state_indices must hold signed integers (a slot of conv_state per row, {PAD_SLOT_ID} for none), "
+        raise err.type(
+            f"{name} must hold signed integers (a slot of conv_state per row, {PAD_SLOT_ID} for none), "
             f"got dtype {dtype}"
         )
     if tuple(state_indices.shape) != (batch,):
-        raise ValueError(
-            f"state_indices must have shape (B,) = ({batch},), one per row of x, got {tuple(state_indices.shape)}"
-        )
+        raise err.value(f"{name} must have shape (B,) = ({batch},), one per row of x, got {tuple(state_indices.shape)}")
     if _is_traced(state_indices):
         return state_indices
     values = np.asarray(state_indices).astype(np.int64)
     bad = values[(values != PAD_SLOT_ID) & ((values < 0) | (values >= slots))]
     if bad.size:
-        raise ValueError(
-            f"state_indices must be slots of conv_state, in [0, {slots}), or {PAD_SLOT_ID} for a row without a "
+        raise err.value(
+            f"{name} must be slots of conv_state, in [0, {slots}), or {PAD_SLOT_ID} for a row without a "
             f"request; got {sorted(set(bad.tolist()))}"
         )
     used = values[values != PAD_SLOT_ID]
     if np.unique(used).size != used.size:
         twice = sorted({int(v) for v in used if (used == v).sum() > 1})
-        raise ValueError(f"state_indices names slots {twice} for several rows: each row needs its own slot")
+        raise err.value(f"{name} names slots {twice} for several rows: each row needs its own slot")
     return state_indices
