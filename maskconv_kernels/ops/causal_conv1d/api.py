@@ -71,26 +71,26 @@ def causal_conv1d(
       NotImplementedError: the named implementation does not take this problem, or cannot
         be lowered for the platform.
     """
-    return run(OP, x, weight, bias, segment_ids, initial_state, return_final_state=return_final_state,
-               activation=activation, dilation=dilation, implementation=implementation, interpret=interpret,
-               config=config)
+    problem, x, weight, bias, ids, initial_state = make_problem(
+        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation,
+    )
+    y = forward(OP, problem, x, weight, bias, ids, initial_state, implementation=implementation, interpret=interpret,
+                config=config)
+    if not return_final_state:
+        return y
+    return y, final_state(x, initial_state, ids, problem.state_len)
 
 
-def run(err: OpError, x, weight, bias, segment_ids, initial_state, *, return_final_state, activation, dilation,
-        implementation, interpret, config):
-    """:func:`causal_conv1d` with its errors in ``err``'s words (``causal_conv1d_update`` calls it so)."""
+def forward(err: OpError, problem, x, weight, bias, ids, initial_state, *, implementation, interpret, config):
+    """``y`` of a checked problem by the implementation asked for, with errors in ``err``'s words
+    (:func:`~.update.causal_conv1d_update`, which checks its own arguments, calls it too)."""
     if not isinstance(interpret, bool):
         raise err.type(f"interpret must be True or False, got {interpret!r}")
-    problem, x, weight, bias, ids, initial_state = make_problem(
-        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation, err=err,
-    )
     if implementation is None:
         if config is not None:
             raise err.value("config= is the config of one implementation: name it with implementation=")
         chosen = REGISTRY.get(PREFERENCE[0])
     else:
         chosen = REGISTRY.check(implementation, problem, interpret, config, op=err.op)
-    y = chosen.load().forward(x, weight, bias, ids, initial_state, problem=problem, config=config, interpret=interpret)
-    if not return_final_state:
-        return y
-    return y, final_state(x, initial_state, ids, problem.state_len)
+    return chosen.load().forward(x, weight, bias, ids, initial_state, problem=problem, config=config,
+                                 interpret=interpret)

@@ -14,7 +14,7 @@ import numpy as np
 from ..._core.args import as_operand, as_segment_ids, is_int
 from ..._core.errors import OpError
 
-__all__ = ["ACTIVATIONS", "Problem", "make_problem", "check_activation", "check_operands", "check_state"]
+__all__ = ["ACTIVATIONS", "Problem", "make_problem", "problem_of", "check_activation", "check_operands", "check_state"]
 
 # causal-conv1d's names: "swish" is SiLU's other name.
 ACTIVATIONS = (None, "silu", "swish")
@@ -95,22 +95,28 @@ def check_state(name: str, state, batch: int, state_len: int, d: int, dtype, err
         raise err.type(f"{name} must have x's dtype {np.dtype(dtype)}, got {np.dtype(state.dtype)}")
 
 
-def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1,
-                 err: OpError = OP):
+def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1):
     """The arguments checked: ``(problem, x, weight, bias, segment_ids, initial_state)``, arrays as arrays."""
-    check_activation(activation, err)
+    check_activation(activation)
     x, weight = as_operand("x", x), as_operand("weight", weight)
     bias = None if bias is None else as_operand("bias", bias)
-    width, d, state_len = check_operands(x, weight, bias, dilation, err)
-    batch, length = x.shape[:2]
+    _, d, state_len = check_operands(x, weight, bias, dilation)
     ids = None if segment_ids is None else as_segment_ids(segment_ids, x.shape[:-1], "x's shape without D, (B, L)")
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)
-        check_state("initial_state", initial_state, batch, state_len, d, x.dtype, err)
-    problem = Problem(
-        batch=int(batch), length=int(length), dim=int(d), width=width, dilation=int(dilation),
+        check_state("initial_state", initial_state, x.shape[0], state_len, d, x.dtype)
+    problem = problem_of(x, weight, bias, ids, initial_state, activation=activation, dilation=dilation)
+    return problem, x, weight, bias, ids, initial_state
+
+
+def problem_of(x, weight, bias, ids, initial_state, *, activation, dilation) -> Problem:
+    """The :class:`Problem` of arguments already checked (nothing is checked here): for a caller
+    that validated its own, as :func:`~.update.causal_conv1d_update` does, so nothing is checked twice."""
+    batch, length, d = x.shape
+    state_len = (weight.shape[0] - 1) * int(dilation)
+    return Problem(
+        batch=int(batch), length=int(length), dim=int(d), width=int(weight.shape[0]), dilation=int(dilation),
         silu=activation is not None, has_bias=bias is not None, segmented=ids is not None,
         has_state=initial_state is not None and state_len > 0, x_dtype=np.dtype(x.dtype),
         weight_dtype=np.dtype(weight.dtype), bias_dtype=None if bias is None else np.dtype(bias.dtype),
     )
-    return problem, x, weight, bias, ids, initial_state

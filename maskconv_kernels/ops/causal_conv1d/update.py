@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import run
+from .api import forward
 from ..._core.args import as_operand
 from ..._core.errors import OpError
-from .checks import check_activation, check_operands
+from .checks import check_activation, check_operands, problem_of
 
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
@@ -116,8 +116,10 @@ def causal_conv1d_update(
         kept = min(tokens, state_len)  # a longer x overwrites its own first tokens
         written = (seqlens + jnp.arange(tokens - kept, tokens)) % state_len
         new_rows = jax.vmap(lambda row, at, values: row.at[at].set(values))(rows, written, xt[:, tokens - kept :])
-    y = run(OP, xt, weight, bias, None, before, return_final_state=False, activation=activation, dilation=dilation,
-            implementation=implementation, interpret=interpret, config=None)
+    # The arguments were checked above: the problem is built once, not checked again.
+    problem = problem_of(xt, weight, bias, None, before, activation=activation, dilation=dilation)
+    y = forward(OP, problem, xt, weight, bias, None, before, implementation=implementation, interpret=interpret,
+                config=None)
     if indices is None:
         new_state = new_rows
     else:
