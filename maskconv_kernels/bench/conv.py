@@ -168,6 +168,26 @@ def exactness(compiled, mode: str, x, k, spec) -> dict:
     return result
 
 
+def agreement(compiled, baseline, args) -> dict:
+    """The values, next to the baseline's: on the same finite inputs ``masked_conv`` and
+    ``lax.conv(kernel * mask)`` are one function up to rounding, so a kernel that computes
+    the wrong thing shows here while its exactness columns stay clean.
+
+    ``max_abs_diff``: the largest ``|ours - baseline|`` over every output (y and the
+    gradients), in float32; ``max_rel_diff``: that over the largest ``|baseline|`` of the
+    same output, the worst over outputs.
+    """
+    ours = jax.tree_util.tree_leaves(compiled(*args))
+    theirs = jax.tree_util.tree_leaves(baseline(*args))
+    diffs, rels = [], []
+    for a, b in zip(ours, theirs):
+        a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        diff, scale = float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))
+        diffs.append(diff)
+        rels.append(diff / scale if scale > 0 else diff)
+    return {"max_abs_diff": max(diffs), "max_rel_diff": max(rels)}
+
+
 # --------------------------------------------------------------------------- the grid
 
 
@@ -255,6 +275,13 @@ def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta
             rows[impl].update(exactness(compiled[impl], mode, *argsets[0][:2], spec))
         except Exception as e:
             rows[impl]["exactness_error"] = f"{type(e).__name__}: {e}"[:300]
+    if BASELINE in times:
+        for impl in times:
+            if impl != BASELINE:
+                try:
+                    rows[impl].update(agreement(compiled[impl], compiled[BASELINE], argsets[0]))
+                except Exception as e:
+                    rows[impl]["agreement_error"] = f"{type(e).__name__}: {e}"[:300]
     base_t = rows[BASELINE].get("median_s")
     for row in rows.values():
         if base_t and row.get("median_s"):
@@ -265,8 +292,6 @@ def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta
 # --------------------------------------------------------------------------- output
 
 
-
-
 def markdown(rows: list[dict]) -> str:
     if not rows:
         return "(no rows)"
@@ -274,11 +299,12 @@ def markdown(rows: list[dict]) -> str:
         "Times in ms (median, p20-p80 over samples); speed-up = baseline median / median; TFLOP/s on active "
         "taps only; peak = a large matmul measured in the same run; leak = max |dx| at inputs reachable only "
         "through masked taps; NaN-isolated = outputs not reading NaN inputs through active taps stay "
-        "bit-identical.",
+        "bit-identical; vs baseline = the largest difference from the baseline's outputs on the same inputs, "
+        "over its largest value (rounding only, where the values are right).",
         "",
         "| shape | N | dtype | mode | implementation | median ms | p20-p80 ms | speed-up | TFLOP/s | % peak "
-        "| peak MiB | compile s | leak | NaN-isolated |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| peak MiB | compile s | leak | NaN-isolated | vs baseline |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     key = {s.name: i for i, s in enumerate(SHAPES)}
     order = sorted(rows, key=lambda r: (key.get(r["shape"], 99), r["dtype"], MODES.index(r["mode"]),
@@ -286,7 +312,7 @@ def markdown(rows: list[dict]) -> str:
     for r in order:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['batch']} | {r['dtype']} | {r['mode']} | {r['implementation']} "
-                         f"| error: {r['error'][:80]} |||||||||")
+                         f"| error: {r['error'][:80]} ||||||||||")
             continue
         if "median_s" not in r:
             continue
@@ -295,7 +321,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {ms(r['median_s'])} | {ms(r['p20_s'])}-{ms(r['p80_s'])} | {r.get('speedup', 0):.2f}x "
             f"| {r['tflops']:.3g} | {100 * r['frac_peak']:.1f} "
             f"| {mib(r.get('peak_bytes'))} "
-            f"| {r['compile_s']:.2f} | {leak_cell(r)} | {nan_cell(r)} |"
+            f"| {r['compile_s']:.2f} | {leak_cell(r)} | {nan_cell(r)} "
+            f"| {format(r['max_rel_diff'], '.1e') if 'max_rel_diff' in r else '—'} |"
         )
     skipped = {}
     for r in rows:
@@ -330,15 +357,17 @@ def pivot(rows: list[dict], mode: str = "fwd+bwd") -> str:
 
 
 def summary(rows: list[dict]) -> str:
-    """Geometric-mean speed-up per implementation, dtype and mode; exactness in one word."""
+    """Geometric-mean speed-up per implementation, dtype and mode; exactness in one word; the largest
+    relative difference from the baseline's values."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["implementation"] != BASELINE and "speedup" in r:
             groups.setdefault((r["implementation"], r["dtype"], r["mode"]), []).append(r)
     base = [r for r in rows if r["implementation"] == BASELINE and "median_s" in r]
     lines = [
-        "| implementation | dtype | mode | shapes | geomean speed-up | min | max | max leak | NaN-isolated |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| implementation | dtype | mode | shapes | geomean speed-up | min | max | max leak | NaN-isolated "
+        "| max vs baseline |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
 
     def exact(rs):
@@ -354,12 +383,13 @@ def summary(rows: list[dict]) -> str:
             if rs:
                 leak, nan = exact(rs)
                 lines.append(f"| {BASELINE} (lax.conv, kernel*mask) | {name} | {mode} | {len(rs)} | 1.00x | | "
-                             f"| {leak} | {nan} |")
+                             f"| {leak} | {nan} | — |")
     for (impl, dtype, mode), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], MODES.index(kv[0][2]))):
         sp = [r["speedup"] for r in rs]
         leak, nan = exact(rs)
+        rel = [r["max_rel_diff"] for r in rs if "max_rel_diff" in r]
         lines.append(f"| {impl} | {dtype} | {mode} | {len(rs)} | {math.exp(np.mean(np.log(sp))):.2f}x "
-                     f"| {min(sp):.2f}x | {max(sp):.2f}x | {leak} | {nan} |")
+                     f"| {min(sp):.2f}x | {max(sp):.2f}x | {leak} | {nan} | {f'{max(rel):.1e}' if rel else '—'} |")
     headline = [r for r in rows if r["shape"] in {s.name for s in SHAPES if s.headline} and r["mode"] == "fwd+bwd"
                 and r["implementation"] != BASELINE and "speedup" in r]
     if headline:

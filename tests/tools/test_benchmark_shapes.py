@@ -118,6 +118,8 @@ def test_benchmark_cell_reports_exactness_and_metadata():
     # Exact: masked taps are never read. The baseline multiplies NaN by a zero kernel entry.
     assert by_impl["xla"]["leak_max_abs"] == 0.0 and by_impl["xla"]["nan_isolated"]
     assert not by_impl["baseline"]["nan_isolated"] and by_impl["baseline"]["nan_changed"] > 0
+    # The values, next to the baseline's on the same inputs: float32 rounding only, for every output.
+    assert 0 <= by_impl["xla"]["max_rel_diff"] < 1e-5 and "max_rel_diff" not in by_impl["baseline"]
 
 
 @pytest.mark.slow
