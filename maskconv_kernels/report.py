@@ -182,19 +182,19 @@ TIMING_SHAPES = (
 def timings(implementation, batch: int, size: int, repeats: int, log=None):
     """Per shape, median ms of ``lax.conv(kernel*mask)`` and ``masked_conv``, forward and forward+backward,
     the four timed in interleaved samples (:func:`~maskconv_kernels.bench.timing.median_times`)."""
-    rows = []
+    rows, convs = [], _convs(implementation)
     for name, window, mask_type, c in TIMING_SHAPES:
         x = jax.random.normal(jax.random.PRNGKey(0), (batch, size, size, c))
         k = jax.random.normal(jax.random.PRNGKey(1), (*window, c, c)) * 0.05
         m = pixelcnn_mask(window, mask_type)
         row = {"shape": f"{name}, N={batch}, {size}x{size}, C={c}"}
         fns = {}
-        for label, conv in _convs(implementation).items():
+        for label, conv in convs.items():
             fns[label, "fwd"] = jax.jit(lambda x, k, conv=conv: conv(x, k, m))
             fns[label, "fwd+bwd"] = jax.jit(jax.grad(lambda x, k, conv=conv: (conv(x, k, m) ** 2).sum(), (0, 1)))
-        with _stage(log, f"timing {row['shape']}: {', '.join(_convs(implementation))}, forward and forward+backward"):
+        with _stage(log, f"timing {row['shape']}: {', '.join(convs)}, forward and forward+backward"):
             times = median_times(fns, [(x, k)], repeats)
-        for label in _convs(implementation):
+        for label in convs:
             row[label] = (1e3 * times[label, "fwd"], 1e3 * times[label, "fwd+bwd"])
         rows.append(row)
     return rows

@@ -40,7 +40,7 @@ from jax import lax
 
 from ..ops.causal_conv import causal_conv, causal_conv_stream
 from .chart import publish
-from .exactness import measure
+from .exactness import differences, measure
 from .machine import cache_bytes, header, metadata
 from .shapes import CAUSAL_SHAPES, CausalShape
 from .table import leak_cell, mib, ms, nan_cell
@@ -170,11 +170,6 @@ def stream_inputs(shape: CausalShape, full_sets) -> dict:
     return jax.block_until_ready(found)
 
 
-def _max_abs_diff(a, b) -> float:
-    return max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
-               for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
-
-
 # --------------------------------------------------------------------------- a cell
 
 
@@ -262,7 +257,7 @@ def run_cell(shape: CausalShape, dtype_name: str, mode: str, preset: Preset, met
             a, b = compiled[first](*argsets[first][0]), compiled[second](*argsets[second][0])
             if mode == "stream":
                 a = (a[0], a[1].frames)
-            rows[first]["max_abs_diff"] = _max_abs_diff(a, b)
+            rows[first]["max_abs_diff"] = differences(a, b)["max_abs_diff"]
         except Exception as e:
             rows[first]["max_abs_diff_error"] = _error(e)
     return out
@@ -274,8 +269,6 @@ def cells(shapes, preset: Preset):
 
 
 # --------------------------------------------------------------------------- output
-
-
 
 
 def _mark(ok: bool) -> str:

@@ -1,4 +1,4 @@
-"""Exactness measured on the executables a benchmark timed.
+"""Exactness, and the values, measured on the executables a benchmark timed.
 
 Every mode that times a convolution also runs the same compiled executable twice more:
 once with a cotangent at one output only (what gradient reaches inputs that output may
@@ -7,10 +7,13 @@ outputs change, bit for bit?). On a GPU this is the point of the columns: cuDNN'
 algorithms may mix taps, so ``lax.conv`` can leak where ours cannot. The convolution
 grid measures it over a mask (:func:`maskconv_kernels.bench.conv.exactness`); this
 module does it along time, for the causal modes (``sequence``, ``causal_conv``); their
-table cells are :mod:`.table`'s.
+table cells are :mod:`.table`'s. :func:`differences` compares two executables' outputs
+on the same inputs (the grid against cuDNN, ``sequence`` against the shift-and-add,
+``causal_conv`` against ``jnp.pad`` + ``lax.conv``).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -62,6 +65,20 @@ def along_time(compiled, mode: str, args, stride: int = 1) -> dict:
         result["nan_changed"] = int(changed.sum())
         result["nan_isolated"] = bool(clean.any()) and not changed.any()
     return result
+
+
+def differences(outputs, reference) -> dict:
+    """How far ``outputs`` (a pytree of arrays) are from ``reference`` (the same structure), in float32:
+    ``max_abs_diff`` over every leaf, and ``max_rel_diff``, each leaf's largest ``|difference|`` over its
+    largest ``|reference|``, the worst leaf's. Two executables given the same inputs compute the same
+    function where these are rounding only."""
+    diffs, rels = [], []
+    for a, b in zip(jax.tree_util.tree_leaves(outputs), jax.tree_util.tree_leaves(reference)):
+        a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        diff, scale = float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))
+        diffs.append(diff)
+        rels.append(diff / scale if scale > 0 else diff)
+    return {"max_abs_diff": max(diffs), "max_rel_diff": max(rels)}
 
 
 def _all_but_time(a) -> tuple[int, ...]:

@@ -175,7 +175,6 @@ def _time(fns: dict, args: dict, timing: Preset) -> dict[str, list[float]]:
 # --------------------------------------------------------------------------- output
 
 
-
 def table(rows: list[dict]) -> str:
     lines = [
         "Per map: median ms (p20-p80), GFLOP/s on active taps, efficiency = the same-FLOP GEMM's time / the "

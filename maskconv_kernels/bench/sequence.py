@@ -43,7 +43,7 @@ from jax import lax
 
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from .chart import publish
-from .exactness import measure
+from .exactness import differences, measure
 from .machine import header, metadata
 from .table import leak_cell, ms, nan_cell
 from .timing import (
@@ -232,16 +232,13 @@ def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: 
         for name in times:
             measure(compiled[name], mode, argsets[0], rows[name])
     if compare and SHIFT in compiled:
-        reference = jax.tree_util.tree_leaves(compiled[SHIFT](*argsets[0]))
+        reference = compiled[SHIFT](*argsets[0])
         for name in compiled:
-            got = jax.tree_util.tree_leaves(compiled[name](*argsets[0]))
-            rows[name]["max_abs_diff_vs_shift"] = max(
-                float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32)))) for a, r in zip(got, reference))
+            rows[name]["max_abs_diff_vs_shift"] = differences(compiled[name](*argsets[0]), reference)["max_abs_diff"]
     return list(rows.values())
 
 
 # --------------------------------------------------------------------------- output
-
 
 
 def markdown(rows: list[dict]) -> str:
