@@ -13,12 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 from support.lowering import cuda_lowering
 from support.tiers import tiered
 from support.numerics import assert_close, random
 
 import maskconv_kernels as mk
+from maskconv_kernels.ops.causal_conv1d import backends
 from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
+
+# XLA's Triton custom call, where Pallas' Triton lowering puts a kernel.
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
 
@@ -237,6 +242,38 @@ def test_lowered_for_cuda_it_is_elementwise_no_convolution_and_no_dot(segmented)
     assert "stablehlo.multiply" in text and "stablehlo.reduce" in text
     assert "stablehlo.convolution" not in text
     assert "stablehlo.dot_general" not in text
+    assert TRITON_CALL not in text  # xla first: on an H200 it beats the fused kernels
+
+
+def test_implementation_none_is_chosen_per_platform_when_lowered(monkeypatch):
+    """``implementation=None`` binds the op's primitives with no backend: each lowering takes the
+    first of ``PREFERENCE`` that runs the problem on its platform. With the fused kernels first,
+    one export for ``("cpu", "cuda")`` holds them in its cuda branch and xla's maps in its cpu
+    branch, and runs here as ``implementation="xla"`` does."""
+    monkeypatch.setattr(backends.REGISTRY, "preference", ("pallas_triton", "xla"))
+    x, w, b, state = _inputs(30, 2, 64, 32, 4, F32, F32)
+    ids = _ids(31, 2, 64)
+
+    def value_and_grad(implementation):
+        def loss(x, w, b, state):
+            return causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu",
+                                 implementation=implementation).sum()
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+    with cuda_lowering():
+        cuda = jax.jit(value_and_grad(None)).trace(x, w, b, state).lower(lowering_platforms=("cuda",)).as_text()
+        exported = export.export(jax.jit(value_and_grad(None)), platforms=("cpu", "cuda"),
+                                 disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(x, w, b, state)
+    cpu = jax.jit(value_and_grad(None)).trace(x, w, b, state).lower(lowering_platforms=("cpu",)).as_text()
+    assert cuda.count(f"@{TRITON_CALL}(") == 3, "the forward, backward and state-gradient kernels"
+    assert TRITON_CALL not in cpu
+    text = exported.mlir_module()
+    assert text.count(f"@{TRITON_CALL}(") == 3 and "stablehlo.case" in text
+    if jax.default_backend() == "cpu":
+        got, expected = exported.call(x, w, b, state), jax.jit(value_and_grad("xla"))(x, w, b, state)
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            assert_close(g, e, F32, 2 * 64 * 4, float(np.abs(np.asarray(e)).max()) + 1.0)
 
 
 def _mamba_style_block(params, x, conv):

@@ -13,13 +13,20 @@ changes no other's output.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ..._core.errors import OpError
+from ..._core.fused import FusedOp
+from . import xla
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
 from .checks import OP, make_problem
 from .state import final_state
 
 __all__ = ["causal_conv1d", "IMPLEMENTATIONS", "PREFERENCE"]
+
+# The op's primitives: causal_conv1d_fwd, _tangent and _bwd, each lowered by the
+# implementation chosen for the platform; derivatives above the first are xla's.
+PRIMITIVES = FusedOp("causal_conv1d", REGISTRY, xla.reference, data=("ids",), shared=("w", "bias"))
 
 
 def causal_conv1d(
@@ -55,10 +62,12 @@ def causal_conv1d(
         and in an all-padding row).
       activation: ``None`` or ``"silu"`` (``"swish"``).
       dilation: the taps' spacing.
-      implementation: ``None`` (``"xla"``) or one of :data:`IMPLEMENTATIONS`: ``"xla"``
+      implementation: ``None`` or one of :data:`IMPLEMENTATIONS`: ``"xla"``
         (``masked_conv``'s depthwise maps, every platform) or ``"pallas_triton"`` (fused
         kernels: bias, SiLU and selects in one pass; NVIDIA GPUs, or any platform with
         ``interpret=True``). Both are differentiable to any order, forward and reverse.
+        ``None``: chosen per platform when lowered, the first of :data:`PREFERENCE` that
+        runs the problem there (``"xla"`` today: it was the faster on an H200).
       interpret: run a kernel implementation in its interpreter (any platform, slowly).
       config: the named implementation's ``Config``, or ``None`` for its heuristic.
 
@@ -86,11 +95,14 @@ def forward(err: OpError, problem, x, weight, bias, ids, initial_state, *, imple
     (:func:`~.update.causal_conv1d_update`, which checks its own arguments, calls it too)."""
     if not isinstance(interpret, bool):
         raise err.type(f"interpret must be True or False, got {interpret!r}")
+    backend = None  # chosen per platform when lowered
     if implementation is None:
         if config is not None:
             raise err.value("config= is the config of one implementation: name it with implementation=")
-        chosen = REGISTRY.get(PREFERENCE[0])
     else:
-        chosen = REGISTRY.check(implementation, problem, interpret, config, op=err.op)
-    return chosen.load().forward(x, weight, bias, ids, initial_state, problem=problem, config=config,
-                                 interpret=interpret)
+        backend = REGISTRY.check(implementation, problem, interpret, config, op=err.op)
+    if 0 in x.shape:
+        return jnp.zeros(x.shape, x.dtype)  # every output an empty sum, or none
+    given = (("bias", bias), ("ids", ids), ("state", initial_state if problem.has_state else None))
+    operands = {"x": x, "w": weight, **{name: a for name, a in given if a is not None}}
+    return PRIMITIVES(operands, problem=problem, backend=backend, interpret=interpret, config=config)

@@ -5,9 +5,12 @@
 * ``"pallas_triton"``: :mod:`.pallas_triton`, fused Pallas kernels lowered through
   Triton (NVIDIA GPUs, or any platform with ``interpret=True``).
 
-``implementation=None`` runs ``"xla"`` until the fused kernels have been timed on a GPU.
-An implementation module supplies ``Config``, ``unsupported(problem, platform, interpret)``
-and ``forward(x, weight, bias, segment_ids, initial_state, *, problem, config, interpret)``.
+``implementation=None`` takes, when lowered for a platform, the first of :data:`PREFERENCE`
+that runs the problem there: ``"xla"`` everywhere, because on an H200 XLA's fusion of the
+shift-and-add beat the fused kernels by 1.3x to 2x (docs/performance.md#h200). An
+implementation module supplies ``Config``, ``unsupported(problem, platform, interpret)``,
+``forward`` and ``backward`` (:mod:`maskconv_kernels._core.fused`), which the op's
+primitives lower.
 """
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ and ``padding="CAUSAL"``, whose ``xla`` backend computes a depthwise problem as 
 products (no im2col, no batched dot) and selects across segments; so it inherits the
 contract and derivatives of every order. An initial state is the input before position
 0; the outputs at its own positions are dropped. Bias and SiLU are applied in float32.
+
+Its :func:`forward` is also the op's reference (:class:`~maskconv_kernels._core.fused.FusedOp`):
+the derivatives above the first of every implementation are its derivatives.
 """
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..._core.fused import backward_by_vjp
 from ..masked_conv import masked_conv
 from ..masked_conv.xla import Config
 from .checks import Problem
 
-__all__ = ["Config", "unsupported", "forward"]
+__all__ = ["Config", "unsupported", "forward", "backward", "reference"]
 
 
 def unsupported(problem: Problem, platform: str | None, interpret: bool = False) -> str | None:
@@ -24,11 +28,16 @@ def unsupported(problem: Problem, platform: str | None, interpret: bool = False)
     return None
 
 
-def forward(x, weight, bias, segment_ids, initial_state, *, problem: Problem, config: Config | None = None,
-            interpret: bool = False):
-    """``y (B, L, D)`` in x's dtype: float32 accumulation, bias and activation in float32, rounded once."""
+def forward(operands: dict, *, problem: Problem, config: Config | None = None, interpret: bool = False):
+    """``y (B, L, D)`` in x's dtype: float32 accumulation, bias and activation in float32, rounded once.
+
+    ``operands``: ``x``, ``w`` and, where given, ``bias``, ``ids`` (segment ids) and ``state``
+    (the initial state).
+    """
     del interpret  # nothing to interpret
-    ids, xe, ide = segment_ids, x, segment_ids
+    x, weight, bias, initial_state = operands["x"], operands["w"], operands.get("bias"), operands.get("state")
+    ids = ide = operands.get("ids")
+    xe = x
     state_len, length = problem.state_len, problem.length
     if initial_state is not None and state_len:
         # The state is the input before position 0, of the row's first document.
@@ -48,3 +57,11 @@ def forward(x, weight, bias, segment_ids, initial_state, *, problem: Problem, co
     if ids is not None:
         y = jnp.where((ids >= 0)[..., None], y, jnp.zeros((), y.dtype))  # bias and activation included
     return y.astype(x.dtype)
+
+
+backward = backward_by_vjp(forward, data=("ids",))
+
+
+def reference(operands: dict, problem: Problem):
+    """The op's reference: :func:`forward`, differentiable to any order."""
+    return forward(operands, problem=problem)

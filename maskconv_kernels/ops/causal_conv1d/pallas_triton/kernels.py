@@ -27,7 +27,7 @@ select, never multiplied by a 0/1 mask: a NaN in one document changes no other's
 output, and the gradient across documents is exactly 0.0.
 
 Why Triton and not Mosaic GPU is a design note of the documentation. The kernels run
-inside primitives (:mod:`.fused`), which filter the lowering's deprecation warning while
+inside the op's primitives (:mod:`maskconv_kernels._core.fused`), which filter the lowering's deprecation warning while
 they are lowered, and give them derivatives of every order.
 """
 from __future__ import annotations
