@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .._core.args import as_operand, as_segment_ids
+from .._core.errors import OpError
+from .._core.history import check_dtype, check_history
 from ..ops.causal_conv1d import api as _api
 from ..ops.causal_conv1d import update as _update
 
@@ -174,10 +175,7 @@ def causal_conv1d_update(
             f"causal_conv1d_update: conv_state has {shape[0]} slots but x has {batch} rows: without "
             "conv_state_indices row b uses slot b; pass conv_state_indices (batch,) to choose each row's slot"
         )
-    if np.dtype(conv_state.dtype) != np.dtype(x.dtype):
-        raise TypeError(
-            f"causal_conv1d_update: conv_state must have x's dtype {np.dtype(x.dtype)}, got {np.dtype(conv_state.dtype)}"
-        )
+    check_dtype(OpError("causal_conv1d_update"), "conv_state", conv_state, x.dtype)
     indices = None
     rows = conv_state
     if conv_state_indices is not None:
@@ -223,8 +221,5 @@ def _check_weight(fn: str, weight, x_shape) -> int:
 def _check_states(fn: str, name: str, states, expected: tuple[int, ...], dtype) -> jax.Array:
     """A ``(batch, dim, width - 1)`` state in x's dtype."""
     states = as_operand(name, states)
-    if tuple(states.shape) != expected:
-        raise ValueError(f"{fn}: {name} must be (batch, dim, width - 1) = {expected}, got {tuple(states.shape)}")
-    if np.dtype(states.dtype) != np.dtype(dtype):
-        raise TypeError(f"{fn}: {name} must have x's dtype {np.dtype(dtype)}, got {np.dtype(states.dtype)}")
+    check_history(OpError(fn), name, states, expected, "(batch, dim, width - 1)", dtype)
     return states

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from .._core.history import History
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.causal_conv1d.checks import make_problem
 from .halo import halo as _halo
@@ -99,21 +100,23 @@ def sequence_sharded_causal_conv1d(
 
     def shard(x, weight, bias=None, ids=None, state=None):
         index = lax.axis_index(axis_name)
-        xe, ide = x, ids
+        past = History(x[:, :0], None if ids is None else ids[:, :0])
         if state_len:
             # As on one device: shard 0's halo is the initial state, of the row's first
             # document, or zeros of no document.
-            xe = jnp.concatenate([_halo(x, state_len, axis_name, shards, before=True, border=state), x], axis=1)
-            if ids is not None:
-                first = -1 if state is None else jnp.broadcast_to(ids[:, :1], (ids.shape[0], state_len))
-                ide = jnp.concatenate([_halo(ids, state_len, axis_name, shards, before=True, border=first), ids], axis=1)
+            first = -1 if state is None else History.of_first_document(state, ids).segment_ids
+            past = History(
+                _halo(x, state_len, axis_name, shards, before=True, border=state),
+                None if ids is None else _halo(ids, state_len, axis_name, shards, before=True, border=first),
+            )
+        xe, ide = past.extend(x, ids)
         # The halo's own outputs (on zeros of no document) are dropped.
         out = causal_conv1d(
             xe, weight, bias, segment_ids=ide, return_final_state=return_final_state, activation=activation,
             dilation=dilation, implementation=implementation, interpret=interpret,
         )
         if not return_final_state:
-            return out[:, state_len:]
+            return past.outputs(out)
         y, candidate = out
         # The state is the shard's with the row's last non-padding position (the last
         # shard where there is none: its state is then zeros, as on one device).
@@ -122,7 +125,7 @@ def sequence_sharded_causal_conv1d(
         else:
             last = lax.pmax(jnp.where(jnp.any(ids >= 0, axis=1), index, -1), axis_name)
             mine = index == jnp.where(last >= 0, last, shards - 1)
-        return y[:, state_len:], _copy_from_one_shard(candidate, mine, axis_name)
+        return past.outputs(y), _copy_from_one_shard(candidate, mine, axis_name)
 
     x_spec, row_spec = P(batch_axis, axis_name), P(batch_axis)
     operands = {"x": (x, x_spec), "weight": (weight, P())}

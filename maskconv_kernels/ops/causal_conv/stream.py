@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 
 from ..._core.errors import OpError
+from ..._core.history import History, check_history
 from . import phases
 from .api import finish, time_conv, transposed_phases
 from .checks import Problem, make_problem
@@ -87,12 +88,8 @@ def _history_length(problem: Problem) -> int:
 def _fresh(problem: Problem) -> CausalConvState:
     """The state before the first chunk."""
     n, f = problem.batch, _history_length(problem)
-    ids = None
-    if problem.segmented:
-        ids = jnp.full((n, f, *problem.spatial), -1, jnp.int32)
-    return CausalConvState(
-        jnp.zeros((n, f, *problem.frame_shape()), problem.x_dtype), jnp.zeros((), jnp.int32), jnp.zeros((), bool), ids,
-    )
+    past = History.of_no_document(jnp.zeros((n, f, *problem.frame_shape()), problem.x_dtype), problem.segmented)
+    return CausalConvState(past.inputs, jnp.zeros((), jnp.int32), jnp.zeros((), bool), past.segment_ids)
 
 
 def _check_state(err: OpError, state, problem: Problem) -> None:
@@ -104,14 +101,9 @@ def _check_state(err: OpError, state, problem: Problem) -> None:
     f = _history_length(problem)
     expected = (problem.batch, f, *problem.frame_shape())
     what = "ceil(k_T / s_T) - 1" if problem.transposed else "(k_T - 1) * d_T"
-    if tuple(state.frames.shape) != expected:
-        raise err.value(
-            f"state.frames must be (N, {what}, *spatial, C_in) = {expected} for this chunk and kernel, got "
-            f"{tuple(state.frames.shape)}: a state belongs to one layer (its kernel, stride and dilation) and one "
-            "batch of streams"
-        )
-    if np.dtype(state.frames.dtype) != problem.x_dtype:
-        raise err.type(f"state.frames must have the chunk's dtype {problem.x_dtype}, got {np.dtype(state.frames.dtype)}")
+    check_history(err, "state.frames", state.frames, expected, f"(N, {what}, *spatial, C_in)", problem.x_dtype,
+                  inputs="the chunk's", hint=": a state belongs to one layer (its kernel, stride and dilation) and one "
+                  "batch of streams")
     if tuple(state.offset.shape) != () or tuple(state.started.shape) != ():
         raise err.value(
             f"state.offset and state.started must be scalars, got shapes {tuple(state.offset.shape)} and "
@@ -137,18 +129,18 @@ def _started(state: CausalConvState):
         return None
 
 
-def _history(state: CausalConvState | None, chunk, problem: Problem):
-    """``(frames, segment_ids)`` before the chunk: the state's, or before the start the stream's own padding."""
+def _history(state: CausalConvState | None, chunk, problem: Problem) -> History:
+    """The frames before the chunk: the state's, or before the start the stream's own padding."""
     f = _history_length(problem)
     before = jnp.broadcast_to(chunk[:, :1], (chunk.shape[0], f, *chunk.shape[2:]))
     if state is None:
         fresh = _fresh(problem)
         frames = before if problem.padding_mode == "replicate" else fresh.frames
-        return frames, fresh.segment_ids
+        return History(frames, fresh.segment_ids)
     frames = state.frames
     if problem.padding_mode == "replicate":
         frames = jnp.where(state.started, frames, before)
-    return frames, state.segment_ids
+    return History(frames, state.segment_ids)
 
 
 def _setup(op: str, x_chunk, state, kernel, bias, segment_ids, layer: dict, transposed: bool):
@@ -227,12 +219,11 @@ def causal_conv_stream(
                 f"length / {stride} outputs), got {length} frames; the first chunk may have any length >= 1"
             )
         first, unchecked = True, state is not None and started is None
-    frames, frame_ids = _history(state, x, problem)
-    xe = jnp.concatenate([frames, x], axis=1)  # frames P - F .. P + L - 1
-    ide = None if ids is None else jnp.concatenate([frame_ids, ids], axis=1)
+    past = _history(state, x, problem)
+    xe, ide = past.extend(x, ids)  # frames P - F .. P + L - 1
     if ide is not None:
         # Segment ids need an output per input frame (stride 1): the history's outputs are dropped.
-        y = conv(xe, kernel, f, ide)[:, f:]
+        y = past.outputs(conv(xe, kernel, f, ide))
     elif first or stride == 1:
         y = conv(xe, kernel, 0)  # the next output is the chunk's first frame
     else:
@@ -243,9 +234,8 @@ def causal_conv_stream(
         offset = jnp.asarray(-(-length // stride) * stride - length, jnp.int32)
     else:
         offset = state.offset
-    new_state = CausalConvState(
-        xe[:, length:], offset, jnp.ones((), bool), None if ide is None else ide[:, length:],
-    )
+    after = past.after(xe, ide)
+    new_state = CausalConvState(after.inputs, offset, jnp.ones((), bool), after.segment_ids)
     y = finish(y, bias, ids, problem)
     if unchecked:  # a traced state: a started stream given an off-stride chunk gives NaN, never wrong numbers
         y = jnp.where(state.started, jnp.asarray(jnp.nan, y.dtype), y)
@@ -282,10 +272,9 @@ def causal_conv_transpose_stream(
         feature_group_count=feature_group_count, dimension_numbers=dimension_numbers, precision=precision,
         implementation=implementation, interpret=interpret, config=config,
     ), True)
-    length, f = problem.frames, _history_length(problem)
-    frames, frame_ids = _history(state, x, problem)
-    xe = jnp.concatenate([frames, x], axis=1)
-    ide = None if ids is None else jnp.concatenate([frame_ids, ids], axis=1)
+    past = _history(state, x, problem)
+    xe, ide = past.extend(x, ids)
+    f = past.length
 
     def group_conv(group: phases.Group, k):
         c = group.context
@@ -295,9 +284,8 @@ def causal_conv_transpose_stream(
         return conv(window, k, c, ide[:, f - c:])[:, c:]
 
     y = transposed_phases(problem, kernel, group_conv)
-    new_state = CausalConvState(
-        xe[:, length:], jnp.zeros((), jnp.int32), jnp.ones((), bool), None if ide is None else ide[:, length:],
-    )
+    after = past.after(xe, ide)
+    new_state = CausalConvState(after.inputs, jnp.zeros((), jnp.int32), jnp.ones((), bool), after.segment_ids)
     out_ids = None if ids is None else jnp.repeat(ids, problem.stride, axis=1)
     return problem.layout.output(finish(y, bias, out_ids, problem)), new_state
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..._core.args import as_operand, as_segment_ids, is_int
 from ..._core.errors import OpError
+from ..._core.history import check_history
 
 __all__ = ["ACTIVATIONS", "Problem", "make_problem", "problem_of", "check_activation", "check_operands", "check_state"]
 
@@ -88,11 +89,7 @@ def check_operands(x, weight, bias, dilation, err: OpError = OP) -> tuple[int, i
 
 
 def check_state(name: str, state, batch: int, state_len: int, d: int, dtype, err: OpError = OP) -> None:
-    expected = (batch, state_len, d)
-    if tuple(state.shape) != expected:
-        raise err.value(f"{name} must be (B, (W - 1) * dilation, D) = {expected}, got {tuple(state.shape)}")
-    if np.dtype(state.dtype) != np.dtype(dtype):
-        raise err.type(f"{name} must have x's dtype {np.dtype(dtype)}, got {np.dtype(state.dtype)}")
+    check_history(err, name, state, (batch, state_len, d), "(B, (W - 1) * dilation, D)", dtype)
 
 
 def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1):

@@ -14,6 +14,7 @@ import numpy as np
 from .api import forward
 from ..._core.args import as_operand
 from ..._core.errors import OpError
+from ..._core.history import History, Ring, check_dtype
 from .checks import check_activation, check_operands, problem_of
 
 __all__ = [
@@ -107,15 +108,14 @@ def causal_conv1d_update(
     rows = conv_state if indices is None else read_slots(conv_state, indices)
     if has_initial_state is not None:
         rows = jnp.where(has_initial_state[:, None, None], rows, jnp.zeros((), rows.dtype))
-    if cache_seqlens is None:
+    if cache_seqlens is None:  # the slot is the sequence's last state_len inputs
+        slot = History(rows)
         before = rows[:, state_len - window :]
-        new_rows = jnp.concatenate([rows, xt], axis=1)[:, tokens:]
+        new_rows = slot.after(slot.extend(xt)[0]).inputs
     else:
-        seqlens = cache_seqlens.astype(jnp.int32)[:, None]
-        before = jnp.take_along_axis(rows, ((seqlens + jnp.arange(-window, 0)) % state_len)[..., None], axis=1)
-        kept = min(tokens, state_len)  # a longer x overwrites its own first tokens
-        written = (seqlens + jnp.arange(tokens - kept, tokens)) % state_len
-        new_rows = jax.vmap(lambda row, at, values: row.at[at].set(values))(rows, written, xt[:, tokens - kept :])
+        ring = Ring(state_len)
+        before = ring.read(rows, cache_seqlens, window)
+        new_rows = ring.write(rows, cache_seqlens, xt)
     # The arguments were checked above: the problem is built once, not checked again.
     problem = problem_of(xt, weight, bias, None, before, activation=activation, dilation=dilation)
     y = forward(OP, problem, xt, weight, bias, None, before, implementation=implementation, interpret=interpret,
@@ -185,11 +185,7 @@ def _check_pool(conv_state, window: int, d: int, dtype, batch: int | None):
             f"conv_state has {shape[0]} slots but x has {batch} rows: without state_indices row b uses slot b, "
             "so they must be equal; pass state_indices (B,) to choose each row's slot in a larger pool"
         )
-    if np.dtype(conv_state.dtype) != np.dtype(dtype):
-        raise OP.type(
-            f"conv_state must have x's dtype {np.dtype(dtype)}, got {np.dtype(conv_state.dtype)}: it holds past "
-            "inputs, so allocate it in the dtype of the inputs"
-        )
+    check_dtype(OP, "conv_state", conv_state, dtype, hint=": it holds past inputs, so allocate it in the dtype of the inputs")
     return shape[0], shape[1]
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._core.fused import backward_by_vjp
+from ..._core.history import History
 from ..masked_conv import masked_conv
 from ..masked_conv.xla import Config
 from .checks import Problem
@@ -36,20 +37,16 @@ def forward(operands: dict, *, problem: Problem, config: Config | None = None, i
     """
     del interpret  # nothing to interpret
     x, weight, bias, initial_state = operands["x"], operands["w"], operands.get("bias"), operands.get("state")
-    ids = ide = operands.get("ids")
-    xe = x
-    state_len, length = problem.state_len, problem.length
-    if initial_state is not None and state_len:
-        # The state is the input before position 0, of the row's first document.
-        xe = jnp.concatenate([initial_state, x], axis=1)
-        if ids is not None:
-            ide = jnp.concatenate([jnp.broadcast_to(ids[:, :1], (ids.shape[0], state_len)), ids], axis=1)
+    ids = operands.get("ids")
+    # The state is the input before position 0, of the row's first document (none: an empty history).
+    past = History.of_first_document(x[:, :0] if initial_state is None else initial_state, ids)
+    xe, ide = past.extend(x, ids)
     acc = jnp.promote_types(jnp.float32, jnp.promote_types(x.dtype, weight.dtype))
-    y = masked_conv(
+    y = past.outputs(masked_conv(
         xe, weight[:, None, :], np.ones(problem.width, bool), padding="CAUSAL", dilation=problem.dilation,
         feature_group_count=problem.dim, preferred_element_type=acc, implementation="xla", segment_ids=ide,
         config=config,
-    )[:, xe.shape[1] - length:]
+    ))
     if bias is not None:
         y = y + bias.astype(acc)
     if problem.silu:

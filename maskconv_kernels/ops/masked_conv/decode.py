@@ -55,6 +55,7 @@ import numpy as np
 from jax import lax
 
 from ..._core.args import ints, is_int, padding_pairs
+from ..._core.history import Ring
 from ...masks import Mask, as_mask
 
 __all__ = ["DecodeSpec", "make_decode_spec", "init_cache", "update", "output", "step"]
@@ -296,10 +297,11 @@ def _slot(spec: DecodeSpec, q: jax.Array) -> tuple[jax.Array, ...]:
     ``lax.div``/``lax.rem`` (C semantics) suffice for non-negative ints and cost less
     inside a loop than Python's floor semantics.
     """
+    ring = Ring(spec.cache_spatial[0])  # rows (or positions) kept, circularly
     if spec.ndim == 2 and spec.unit == "pixel":
         width = spec.spatial[1]
-        return (lax.rem(lax.div(q, width), spec.cache_spatial[0]), lax.rem(q, width))
-    return (lax.rem(q, spec.cache_spatial[0]),)
+        return (ring.index(lax.div(q, width)), lax.rem(q, width))
+    return (ring.index(q),)
 
 
 def update(spec: DecodeSpec, cache: jax.Array, x: jax.Array, position) -> jax.Array:
