@@ -8,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -18,7 +19,45 @@ from .halo import halo as _halo
 from .halo import shard_map as _shard_map
 from .halo import shards as _shards
 
-__all__ = ["sequence_sharded_causal_conv1d"]
+__all__ = ["sequence_sharded_causal_conv1d", "to_zigzag", "from_zigzag", "LAYOUTS"]
+
+# How a sequence lies over the shards (to_zigzag's docstring says the zigzag).
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _zigzag_order(shards: int) -> np.ndarray:
+    """The chunks in layout order: ``0, 2S-1, 1, 2S-2, ...``."""
+    return np.stack([np.arange(shards), 2 * shards - 1 - np.arange(shards)], axis=1).reshape(-1)
+
+
+def _permute_chunks(x, shards: int, axis: int, order: np.ndarray):
+    x = jnp.asarray(x)
+    axis = axis % x.ndim
+    n = 2 * shards
+    if x.shape[axis] % n:
+        raise ValueError(f"axis {axis} of length {x.shape[axis]} must be a multiple of 2 * shards = {n}")
+    chunked = x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:])
+    return jnp.take(chunked, order, axis=axis).reshape(x.shape)
+
+
+def to_zigzag(x: jax.typing.ArrayLike, shards: int, axis: int = 1) -> jax.Array:
+    """A global sequence in the zigzag (load-balanced) layout of causal context parallelism.
+
+    The sequence axis is cut into ``2 * shards`` chunks, put in the order ``0, 2S-1, 1,
+    2S-2, ..., S-1, S``, so that an even split over ``S`` devices gives device ``i`` chunks
+    ``i`` and ``2S-1-i``: the convention of Megatron's context parallelism, ring-attention
+    implementations and MaxText's ``context_parallel_load_balance``, under which each
+    device holds an equal share of a causal attention's work. Its inverse is
+    :func:`from_zigzag`. ``x``'s length along ``axis`` must be a multiple of ``2 * shards``.
+    It permutes a whole array (on the host or one device, as a data loader lays out a
+    batch); an array already split by an Explicit mesh axis is resharded first.
+    """
+    return _permute_chunks(x, shards, axis, _zigzag_order(shards))
+
+
+def from_zigzag(x: jax.typing.ArrayLike, shards: int, axis: int = 1) -> jax.Array:
+    """The sequence order of an array in :func:`to_zigzag`'s layout."""
+    return _permute_chunks(x, shards, axis, np.argsort(_zigzag_order(shards)))
 
 
 def sequence_sharded_causal_conv1d(
@@ -36,6 +75,7 @@ def sequence_sharded_causal_conv1d(
     dilation: int = 1,
     implementation: str | None = "xla",
     interpret: bool = False,
+    layout: str = "contiguous",
 ):
     """:func:`maskconv_kernels.causal_conv1d` with the sequence split over ``axis_name``: context parallelism.
 
@@ -51,6 +91,17 @@ def sequence_sharded_causal_conv1d(
     ``bias`` gradients are summed over the mesh. The gradients equal one device's within
     rounding, not bit for bit: a halo position's input gradient adds two shards' sums, and
     the weight gradient is a ``psum`` of per-shard sums.
+
+    ``layout="zigzag"``: ``x`` (and the ids, and ``y``) lie in :func:`to_zigzag`'s
+    load-balanced layout, as causal attention under context parallelism wants them:
+    device ``i`` holds chunks ``i`` and ``2S - 1 - i`` of ``2S``. Each chunk receives the
+    last ``(W - 1) * dilation`` inputs of the chunk before it in sequence order, from
+    whichever device holds it (two ``ppermute`` s: chunk ``i``'s from device ``i - 1``,
+    chunk ``2S - 1 - i``'s from device ``i + 1``; the last device's second chunk follows
+    its own first), and nothing from later chunks. ``initial_state`` feeds chunk 0; the
+    final state comes from chunk ``2S - 1`` (with segment ids, the chunk holding each
+    row's last non-padding position). The two chunks run as one call, stacked along the
+    batch.
 
     Args:
       x: ``(B, L, D)``; ``L`` split over ``axis_name``, ``B`` over ``batch_axis``.
@@ -69,14 +120,17 @@ def sequence_sharded_causal_conv1d(
         ``pmax`` of shard indices, and its state copied to all, bit for bit
         (:func:`_copy_from_one_shard`).
       implementation, interpret: as in ``causal_conv1d``, run on each shard (``"xla"`` by default).
+      layout: ``"contiguous"`` (device ``i`` holds positions ``[i L / S, (i + 1) L / S)``)
+        or ``"zigzag"`` (above).
 
     Returns:
       ``y``: ``(B, L, D)`` in x's dtype, split like ``x``, or ``(y, final_state)``.
 
     Raises:
-      ValueError: ``axis_name`` is not an axis of ``mesh``; ``L`` is not a multiple of
-        ``S``; or a shard holds fewer than ``(W - 1) * dilation`` positions (the halo must
-        come from the immediate neighbour); the bad arguments ``causal_conv1d`` rejects.
+      ValueError: ``axis_name`` is not an axis of ``mesh``; an unknown ``layout``; ``L`` is
+        not a multiple of ``S`` (``2S`` zigzagged); or a chunk holds fewer than ``(W - 1) *
+        dilation`` positions (the halo must come from the chunk before alone); the bad
+        arguments ``causal_conv1d`` rejects.
       TypeError: as in ``causal_conv1d``.
     """
     problem, x, weight, bias, segment_ids, initial_state = make_problem(
@@ -84,48 +138,56 @@ def sequence_sharded_causal_conv1d(
     )
     length, state_len = problem.length, problem.state_len
     shards = _shards(mesh, axis_name)
-    if length % shards:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    per = 2 if layout == "zigzag" else 1  # chunks a shard holds
+    chunks = shards * per  # along the sequence, in order
+    if length % chunks:
         raise ValueError(
-            f"sequence length {length} must be a multiple of the {shards} shards along {axis_name!r}: "
-            f"pad x (with negative segment ids) or use fewer shards"
+            f"sequence length {length} must be a multiple of the {shards} shards along {axis_name!r}"
+            + (f" times 2 (the zigzag layout's {chunks} chunks)" if per == 2 else "")
+            + ": pad x (with negative segment ids) or use fewer shards"
         )
-    local = length // shards
-    if local < state_len:
-        fits = max(s for s in range(1, length // state_len + 1) if length % s == 0)
+    size = length // chunks
+    if size < state_len:
+        options = [n for n in range(1, length // (per * state_len) + 1) if length % (per * n) == 0]
+        fewer = f"use at most {max(options)} shards along {axis_name!r} for length {length}, or " if options else "use "
         raise ValueError(
-            f"each shard holds {local} positions but needs a halo of (W - 1) * dilation = {state_len} inputs from "
-            f"the previous shard alone: use at most {fits} shards along {axis_name!r} for length {length}, or a "
-            f"longer sequence"
+            f"each chunk holds {size} positions but needs a halo of (W - 1) * dilation = {state_len} inputs from "
+            f"the chunk before it alone ({layout} layout): {fewer}a longer sequence"
         )
 
     def shard(x, weight, bias=None, ids=None, state=None):
         index = lax.axis_index(axis_name)
-        past = History(x[:, :0], None if ids is None else ids[:, :0])
-        if state_len:
-            # As on one device: shard 0's halo is the initial state, of the row's first
-            # document, or zeros of no document.
-            first = -1 if state is None else History.of_first_document(state, ids).segment_ids
-            past = History(
-                _halo(x, state_len, axis_name, shards, before=True, border=state),
-                None if ids is None else _halo(ids, state_len, axis_name, shards, before=True, border=first),
-            )
-        xe, ide = past.extend(x, ids)
-        # The halo's own outputs (on zeros of no document) are dropped.
+        pieces = _pieces(layout, x, ids, state, state_len, axis_name, shards)
+        # Each chunk after its history, the chunks stacked along the batch: one call.
+        extended = [past.extend(xc, ic) for past, xc, ic, _ in pieces]
+        xe = jnp.concatenate([e[0] for e in extended], axis=0)
+        ide = None if ids is None else jnp.concatenate([e[1] for e in extended], axis=0)
         out = causal_conv1d(
             xe, weight, bias, segment_ids=ide, return_final_state=return_final_state, activation=activation,
             dilation=dilation, implementation=implementation, interpret=interpret,
         )
+        y, candidates = out if return_final_state else (out, None)
+        rows = x.shape[0]
+        # The history's own outputs (on zeros of no document) are dropped.
+        y = jnp.concatenate([past.outputs(y[k * rows:(k + 1) * rows]) for k, (past, *_) in enumerate(pieces)], axis=1)
         if not return_final_state:
-            return past.outputs(out)
-        y, candidate = out
-        # The state is the shard's with the row's last non-padding position (the last
-        # shard where there is none: its state is then zeros, as on one device).
+            return y
+        # The state is the chunk's with the row's last non-padding position (the last
+        # chunk where there is none: its state is then zeros, as on one device).
+        order = [chunk(index) for *_, chunk in pieces]
         if ids is None:
-            mine = jnp.full(x.shape[:1], index == shards - 1)
+            target = chunks - 1
         else:
-            last = lax.pmax(jnp.where(jnp.any(ids >= 0, axis=1), index, -1), axis_name)
-            mine = index == jnp.where(last >= 0, last, shards - 1)
-        return past.outputs(y), _copy_from_one_shard(candidate, mine, axis_name)
+            held = [jnp.where(jnp.any(ic >= 0, axis=1), k, -1) for (_, _, ic, _), k in zip(pieces, order)]
+            last = lax.pmax(functools.reduce(jnp.maximum, held), axis_name)
+            target = jnp.where(last >= 0, last, chunks - 1)
+        mine = [jnp.broadcast_to(k == target, (rows,)) for k in order]
+        value = candidates[:rows]
+        for k in range(1, len(pieces)):
+            value = jnp.where(_rows(mine[k], value), candidates[k * rows:(k + 1) * rows], value)
+        return y, _copy_from_one_shard(value, functools.reduce(jnp.logical_or, mine), axis_name)
 
     x_spec, row_spec = P(batch_axis, axis_name), P(batch_axis)
     operands = {"x": (x, x_spec), "weight": (weight, P())}
@@ -138,6 +200,45 @@ def sequence_sharded_causal_conv1d(
         lambda *args: shard(**dict(zip(names, args))), mesh,
         tuple(s for _, s in operands.values()), out_specs, *(a for a, _ in operands.values()),
     )
+
+
+def _pieces(layout: str, x, ids, state, state_len: int, axis_name: str, shards: int):
+    """A shard's chunks: ``(history, inputs, segment ids, chunk index of the shard index)`` each.
+
+    Contiguous: one chunk, whose history is the previous shard's last ``state_len`` inputs.
+    Zigzag: shard ``i`` holds chunks ``i`` and ``2S - 1 - i``; chunk ``i``'s history is the
+    tail of chunk ``i - 1`` (shard ``i - 1``'s first chunk), chunk ``2S - 1 - i``'s the tail
+    of chunk ``2S - 2 - i`` (shard ``i + 1``'s second chunk; on the last shard, its own
+    first chunk, chunk ``S - 1``). Chunk 0's history is the initial state, of the row's
+    first document, or zeros of no document, as on one device.
+    """
+    if layout == "zigzag":
+        half = x.shape[1] // 2
+        split = lambda a: (None, None) if a is None else (a[:, :half], a[:, half:])  # noqa: E731
+        (xa, xb), (ia, ib) = split(x), split(ids)
+    else:
+        xa, ia = x, ids
+    empty = History(x[:, :0], None if ids is None else ids[:, :0])
+    first = -1 if state is None else History.of_first_document(state, ids).segment_ids
+    ahead = empty if not state_len else History(
+        _halo(xa, state_len, axis_name, shards, before=True, border=state),
+        None if ids is None else _halo(ia, state_len, axis_name, shards, before=True, border=first),
+    )
+    pieces = [(ahead, xa, ia, lambda index: index)]
+    if layout == "zigzag":
+        behind = empty if not state_len else History(
+            _tail_of_next(xb, xa, state_len, axis_name, shards),
+            None if ids is None else _tail_of_next(ib, ia, state_len, axis_name, shards),
+        )
+        pieces.append((behind, xb, ib, lambda index: 2 * shards - 1 - index))
+    return pieces
+
+
+def _tail_of_next(second, first, rows: int, axis_name: str, shards: int):
+    """The last ``rows`` positions of the next shard's ``second`` chunk; the last shard's own ``first``'s."""
+    received = lax.ppermute(second[:, second.shape[1] - rows:], axis_name, [(i + 1, i) for i in range(shards - 1)])
+    own = first[:, first.shape[1] - rows:]
+    return jnp.where(lax.axis_index(axis_name) == shards - 1, own, received)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

@@ -114,36 +114,60 @@ def _inputs(seed, width, dilation, x_dtype, w_dtype, length=SHARDS * LOCAL, batc
     return jnp.asarray(x), w, b, state
 
 
+# Zigzagged, 2 * SHARDS chunks of 8: the rows of PACKED again, documents renumbered.
+PACKED_TWICE = np.concatenate([PACKED, np.where(PACKED >= 0, PACKED + 10, PACKED)], axis=1)
+FAST = (CASES[1], CASES[5], CASES[-1])
+LAYOUT_CASES = [(c, "contiguous") for c in CASES] + [(c, "zigzag") for c in CASES]
+
+
+def _layout_case_id(case_layout):
+    case, layout = case_layout
+    return f"{layout}-{_case_id(case)}"
+
+
 @needs_mesh
 # The fast tier: the default (width 4, bias, SiLU, segments, a state) in Mamba's mixed
-# dtypes, the dilated halo, and no halo at all.
-@pytest.mark.parametrize("case", tiered(CASES, lambda c: c in (CASES[1], CASES[5], CASES[-1])), ids=_case_id)
-def test_sequence_sharded_equals_one_device(case):
+# dtypes, the dilated halo, and no halo at all; zigzagged, the first two.
+@pytest.mark.parametrize("case_layout", tiered(
+    LAYOUT_CASES, lambda c: c[0] in (FAST if c[1] == "contiguous" else FAST[:2])), ids=_layout_case_id)
+def test_sequence_sharded_equals_one_device(case_layout):
+    """Outputs and final states bit for bit; in the zigzag layout, the inputs permuted by
+    to_zigzag and the outputs (and gradients) back by from_zigzag, outside the function."""
+    case, layout = case_layout
     width, dilation, bias, activation, x_dtype, w_dtype, segmented, stateful = case
+    zigzag = layout == "zigzag"
     mesh = _mesh((SHARDS, 2), ("seq", "data"), AxisType.Explicit)
-    x, w, b, state = _inputs(10, width, dilation, x_dtype, w_dtype)
-    ids = jnp.asarray(PACKED) if segmented else None
-    kw = dict(segment_ids=ids, return_final_state=True, activation=activation, dilation=dilation)
+    x, w, b, state = _inputs(10, width, dilation, x_dtype, w_dtype, length=SHARDS * LOCAL * (2 if zigzag else 1))
+    ids = jnp.asarray(PACKED_TWICE if zigzag else PACKED) if segmented else None
+    kw = dict(return_final_state=True, activation=activation, dilation=dilation)
+    # Permuted on the host, as a data loader lays out a batch.
+    into = (lambda a: a) if not zigzag else (lambda a: None if a is None else spatial.to_zigzag(a, SHARDS))  # noqa: E731
+    back = (lambda a: a) if not zigzag else (lambda a: spatial.from_zigzag(np.asarray(a), SHARDS))  # noqa: E731
+    ids_in_layout = into(ids)
 
     def sharded(x, w, b, state):
         return spatial.sequence_sharded_causal_conv1d(
-            x, w, b if bias else None, mesh=mesh, axis_name="seq", batch_axis="data",
-            initial_state=state if stateful else None, **kw,
+            x, w, b if bias else None, mesh=mesh, axis_name="seq", batch_axis="data", segment_ids=ids_in_layout,
+            initial_state=state if stateful else None, layout=layout, **kw,
         )
 
     def single(x, w, b, state):
-        return causal_conv1d(x, w, b if bias else None, initial_state=state if stateful else None, implementation="xla", **kw)
+        return causal_conv1d(x, w, b if bias else None, initial_state=state if stateful else None, implementation="xla",
+                             segment_ids=ids, **kw)
 
-    (y, final), (y1, final1) = jax.jit(sharded)(x, w, b, state), jax.jit(single)(x, w, b, state)
+    (y, final), (y1, final1) = jax.jit(sharded)(into(x), w, b, state), jax.jit(single)(x, w, b, state)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "seq")), y.ndim), y.sharding
     assert final.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), final.ndim), final.sharding
+    y = back(y)
     assert_bits_equal(y, y1, "y")
     assert_bits_equal(final, final1, "final state")
     assert np.isfinite(np.asarray(y, np.float64)).all()
 
     dy, dfinal = random(20, y.shape, x_dtype), random(21, final.shape, x_dtype)
-    vjp = lambda f: jax.jit(lambda *a: jax.vjp(f, *a)[1]((dy, dfinal)))  # noqa: E731
-    (dx, dw, db, dstate), (dx1, dw1, db1, dstate1) = vjp(sharded)(x, w, b, state), vjp(single)(x, w, b, state)
+    vjp = lambda f, ct: jax.jit(lambda *a: jax.vjp(f, *a)[1](ct))  # noqa: E731
+    dx, dw, db, dstate = vjp(sharded, (into(dy), dfinal))(into(x), w, b, state)
+    dx1, dw1, db1, dstate1 = vjp(single, (dy, dfinal))(x, w, b, state)
+    dx = back(dx)
 
     # Each term of dx |w[t] * dy'| <= max|w| * max|dy| * SiLU's slope; width terms.
     slope = SILU_SLOPE if activation else 1.0
@@ -152,7 +176,7 @@ def test_sequence_sharded_equals_one_device(case):
     if stateful:
         assert_close(dstate, dstate1, x_dtype, width, width * w_max * dy_max * slope)
     x_max = float(np.abs(np.asarray(x, np.float64)).max())
-    positions = BATCH * SHARDS * LOCAL
+    positions = x.shape[0] * x.shape[1]
     assert_close(dw, dw1, w_dtype, positions, x_max * dy_max * slope)
     assert_close(db, db1, w_dtype, positions, dy_max * slope)
     for got, like in zip((dx, dw, db, dstate), (x, w, b, state)):
@@ -259,6 +283,48 @@ def test_nan_in_later_shards_never_reaches_earlier_positions():
     assert pairs and all(b == a + 1 for a, b in pairs), pairs
 
 
+def test_to_zigzag_gives_device_i_chunks_i_and_2s_minus_1_minus_i_and_from_zigzag_undoes_it():
+    x = np.arange(2 * 16 * 3).reshape(2, 16, 3)
+    z = np.asarray(spatial.to_zigzag(x, 2))  # 4 chunks of 4: 0, 3 | 1, 2
+    np.testing.assert_array_equal(z[:, :, 0] // 3 % 16, np.tile(np.r_[0:4, 12:16, 4:8, 8:12], (2, 1)))
+    np.testing.assert_array_equal(np.asarray(spatial.from_zigzag(z, 2)), x)
+    np.testing.assert_array_equal(np.asarray(spatial.from_zigzag(spatial.to_zigzag(x, 4, axis=-2), 4, axis=-2)), x)
+    with pytest.raises(ValueError, match="multiple of 2 \\* shards = 6"):
+        spatial.to_zigzag(x, 3)
+
+
+@needs_mesh
+def test_zigzag_exchanges_halos_by_permutes_alone_and_no_nan_crosses_to_earlier_chunks():
+    """Every chunk's history comes by collective-permutes (no all-gather); NaN from a border on,
+    in sequence order, changes no output before it, on any device."""
+    mesh = _mesh((SHARDS,), ("seq",), AxisType.Auto)
+    length, width, dilation = 2 * SHARDS * 6, 4, 2  # chunks of 6: each exactly the halo the next needs
+    x, w, b, state = _inputs(60, width, dilation, F32, F32, length=length, batch=2)
+    ids = jnp.asarray(np.stack([_runs((0, 10), (1, 17), (-1, 4), (2, 17)), _runs((5, 47), (6, 1))]))
+
+    def conv(xz, idz):
+        return spatial.sequence_sharded_causal_conv1d(
+            xz, w, b, mesh=mesh, axis_name="seq", segment_ids=idz, initial_state=state, dilation=dilation,
+            layout="zigzag", return_final_state=True,
+        )
+
+    forward = jax.jit(conv)
+    text = forward.lower(spatial.to_zigzag(x, SHARDS), spatial.to_zigzag(ids, SHARDS)).compile().as_text()
+    assert "collective-permute" in text and "all-gather" not in text
+    clean, final = forward(spatial.to_zigzag(x, SHARDS), spatial.to_zigzag(ids, SHARDS))
+    y1, final1 = causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, dilation=dilation,
+                               return_final_state=True, implementation="xla")
+    clean = np.asarray(spatial.from_zigzag(np.asarray(clean), SHARDS))
+    assert_bits_equal(clean, y1, "y")
+    assert_bits_equal(final, final1, "final state")
+    for border in range(6, length, 6):
+        poisoned = x.at[:, border:].set(jnp.nan)
+        relabelled = ids.at[:, border:].set(ids[:, border:] + 100)
+        y, _ = forward(spatial.to_zigzag(poisoned, SHARDS), spatial.to_zigzag(relabelled, SHARDS))
+        y = np.asarray(spatial.from_zigzag(np.asarray(y), SHARDS))
+        assert_bits_equal(y[:, :border], clean[:, :border], f"border at {border}")
+
+
 @needs_mesh
 def test_sequence_sharding_limits_are_reported():
     mesh = _mesh((SHARDS, 2), ("seq", "data"), AxisType.Explicit)
@@ -274,6 +340,12 @@ def test_sequence_sharding_limits_are_reported():
         call(x, w, dilation=3)
     with pytest.raises(ValueError, match="not an axis"):
         call(x, w, axis_name="rows")
+    with pytest.raises(ValueError, match=r"multiple of the 4 shards along 'seq' times 2 \(the zigzag layout's 8 chunks\)"):
+        call(x[:, :28], w, layout="zigzag")
+    with pytest.raises(ValueError, match=r"each chunk holds 4 positions .* = 6 .*zigzag layout.*use at most 2 shards"):
+        call(x, w, dilation=2, layout="zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        call(x, w, layout="ring")
     with pytest.raises(ValueError, match="initial_state must be"):
         call(x, w, initial_state=jnp.zeros((BATCH, 2, DIM)))
     with pytest.raises(TypeError, match="segment_ids must hold integers"):
