@@ -15,14 +15,14 @@ from jax.sharding import PartitionSpec as P
 from .._core.history import History
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.causal_conv1d.checks import make_problem
-from .halo import halo as _halo
+from .halo import LAYOUTS
+from .halo import chunk_histories as _chunk_histories
+from .halo import chunks as _chunks
 from .halo import shard_map as _shard_map
 from .halo import shards as _shards
 
 __all__ = ["sequence_sharded_causal_conv1d", "to_zigzag", "from_zigzag", "LAYOUTS"]
 
-# How a sequence lies over the shards (to_zigzag's docstring says the zigzag).
-LAYOUTS = ("contiguous", "zigzag")
 
 
 def _zigzag_order(shards: int) -> np.ndarray:
@@ -138,28 +138,11 @@ def sequence_sharded_causal_conv1d(
     )
     length, state_len = problem.length, problem.state_len
     shards = _shards(mesh, axis_name)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    per = 2 if layout == "zigzag" else 1  # chunks a shard holds
-    chunks = shards * per  # along the sequence, in order
-    if length % chunks:
-        raise ValueError(
-            f"sequence length {length} must be a multiple of the {shards} shards along {axis_name!r}"
-            + (f" times 2 (the zigzag layout's {chunks} chunks)" if per == 2 else "")
-            + ": pad x (with negative segment ids) or use fewer shards"
-        )
-    size = length // chunks
-    if size < state_len:
-        options = [n for n in range(1, length // (per * state_len) + 1) if length % (per * n) == 0]
-        fewer = f"use at most {max(options)} shards along {axis_name!r} for length {length}, or " if options else "use "
-        raise ValueError(
-            f"each chunk holds {size} positions but needs a halo of (W - 1) * dilation = {state_len} inputs from "
-            f"the chunk before it alone ({layout} layout): {fewer}a longer sequence"
-        )
+    chunks = _chunks(length, shards, layout, state_len, axis_name, history_is="(W - 1) * dilation = ")
 
     def shard(x, weight, bias=None, ids=None, state=None):
         index = lax.axis_index(axis_name)
-        pieces = _pieces(layout, x, ids, state, state_len, axis_name, shards)
+        pieces = _chunk_histories(layout, x, ids, state, state_len, axis_name, shards)
         # Each chunk after its history, the chunks stacked along the batch: one call.
         extended = [past.extend(xc, ic) for past, xc, ic, _ in pieces]
         xe = jnp.concatenate([e[0] for e in extended], axis=0)
@@ -200,45 +183,6 @@ def sequence_sharded_causal_conv1d(
         lambda *args: shard(**dict(zip(names, args))), mesh,
         tuple(s for _, s in operands.values()), out_specs, *(a for a, _ in operands.values()),
     )
-
-
-def _pieces(layout: str, x, ids, state, state_len: int, axis_name: str, shards: int):
-    """A shard's chunks: ``(history, inputs, segment ids, chunk index of the shard index)`` each.
-
-    Contiguous: one chunk, whose history is the previous shard's last ``state_len`` inputs.
-    Zigzag: shard ``i`` holds chunks ``i`` and ``2S - 1 - i``; chunk ``i``'s history is the
-    tail of chunk ``i - 1`` (shard ``i - 1``'s first chunk), chunk ``2S - 1 - i``'s the tail
-    of chunk ``2S - 2 - i`` (shard ``i + 1``'s second chunk; on the last shard, its own
-    first chunk, chunk ``S - 1``). Chunk 0's history is the initial state, of the row's
-    first document, or zeros of no document, as on one device.
-    """
-    if layout == "zigzag":
-        half = x.shape[1] // 2
-        split = lambda a: (None, None) if a is None else (a[:, :half], a[:, half:])  # noqa: E731
-        (xa, xb), (ia, ib) = split(x), split(ids)
-    else:
-        xa, ia = x, ids
-    empty = History(x[:, :0], None if ids is None else ids[:, :0])
-    first = -1 if state is None else History.of_first_document(state, ids).segment_ids
-    ahead = empty if not state_len else History(
-        _halo(xa, state_len, axis_name, shards, before=True, border=state),
-        None if ids is None else _halo(ia, state_len, axis_name, shards, before=True, border=first),
-    )
-    pieces = [(ahead, xa, ia, lambda index: index)]
-    if layout == "zigzag":
-        behind = empty if not state_len else History(
-            _tail_of_next(xb, xa, state_len, axis_name, shards),
-            None if ids is None else _tail_of_next(ib, ia, state_len, axis_name, shards),
-        )
-        pieces.append((behind, xb, ib, lambda index: 2 * shards - 1 - index))
-    return pieces
-
-
-def _tail_of_next(second, first, rows: int, axis_name: str, shards: int):
-    """The last ``rows`` positions of the next shard's ``second`` chunk; the last shard's own ``first``'s."""
-    received = lax.ppermute(second[:, second.shape[1] - rows:], axis_name, [(i + 1, i) for i in range(shards - 1)])
-    own = first[:, first.shape[1] - rows:]
-    return jnp.where(lax.axis_index(axis_name) == shards - 1, own, received)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

@@ -42,7 +42,7 @@ from .api import finish, time_conv, transposed_phases
 from .checks import Problem, make_problem
 
 __all__ = [
-    "CausalConvState", "causal_conv_stream", "causal_conv_transpose_stream", "causal_conv_stream_init",
+    "CausalConvState", "causal_conv_stream", "causal_conv_transpose_stream", "causal_conv_stream_init", "history_length",
 ]
 
 
@@ -79,7 +79,8 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _history_length(problem: Problem) -> int:
+def history_length(problem: Problem) -> int:
+    """How many input frames a stream carries: ``(k_T - 1) * d_T``, transposed ``ceil(k_T / s_T) - 1``."""
     if problem.transposed:
         return phases.plan(problem.window[0], problem.stride)[0].context
     return problem.context
@@ -87,7 +88,7 @@ def _history_length(problem: Problem) -> int:
 
 def _fresh(problem: Problem) -> CausalConvState:
     """The state before the first chunk."""
-    n, f = problem.batch, _history_length(problem)
+    n, f = problem.batch, history_length(problem)
     past = History.of_no_document(jnp.zeros((n, f, *problem.frame_shape()), problem.x_dtype), problem.segmented)
     return CausalConvState(past.inputs, jnp.zeros((), jnp.int32), jnp.zeros((), bool), past.segment_ids)
 
@@ -98,7 +99,7 @@ def _check_state(err: OpError, state, problem: Problem) -> None:
             f"state must be None (a new stream) or the CausalConvState the previous chunk returned, got "
             f"{type(state).__name__}"
         )
-    f = _history_length(problem)
+    f = history_length(problem)
     expected = (problem.batch, f, *problem.frame_shape())
     what = "ceil(k_T / s_T) - 1" if problem.transposed else "(k_T - 1) * d_T"
     check_history(err, "state.frames", state.frames, expected, f"(N, {what}, *spatial, C_in)", problem.x_dtype,
@@ -131,7 +132,7 @@ def _started(state: CausalConvState):
 
 def _history(state: CausalConvState | None, chunk, problem: Problem) -> History:
     """The frames before the chunk: the state's, or before the start the stream's own padding."""
-    f = _history_length(problem)
+    f = history_length(problem)
     before = jnp.broadcast_to(chunk[:, :1], (chunk.shape[0], f, *chunk.shape[2:]))
     if state is None:
         fresh = _fresh(problem)
