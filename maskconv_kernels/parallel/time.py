@@ -43,10 +43,9 @@ def time_sharded_causal_conv(
     receives the last ``(k_T - 1) * d_T`` input frames of the chunk before each of its
     chunks, with their segment ids: the frames its first outputs read, and nothing from
     later chunks. The first chunk's history is zeros, or with ``padding_mode="replicate"``
-    copies of frame 0, as in one call. The outputs are the single call's where its
-    implementation's reduction order does not depend on the number of frames (the
-    depthwise ``xla`` path, the kernel backends); XLA's convolutions and GEMMs choose their
-    blocking from the shape, so otherwise within rounding (``docs/causal_conv.md``).
+    copies of frame 0, as in one call. The outputs equal the single call's within
+    rounding: XLA's convolutions and GEMMs choose their blocking from the shape, and XLA's
+    CPU compiler may contract multiply-adds differently in the two programs.
 
     Args:
       x: as :func:`~maskconv_kernels.causal_conv` takes it (its ``dimension_numbers``);

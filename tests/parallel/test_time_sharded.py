@@ -1,14 +1,16 @@
 """Time-sharded ``causal_conv`` and ``causal_conv_transpose`` (context parallelism for video and
 audio) against the single-device call, in the contiguous and zigzag layouts.
 
-What is compared how: outputs within the dtype's rounding of the single call (XLA's
-convolutions block by shape, so a chunk and the whole clip may sum in another order;
-``docs/causal_conv.md``), and bit for bit where the layer is depthwise (shifted products,
-the same order at every length); gradients within rounding. NaN from a border on, in
+What is compared how: outputs and gradients within the dtype's rounding of the single
+call. XLA's convolutions block by shape, so a chunk and the whole clip may sum in another
+order (``docs/causal_conv.md``); even a depthwise layer's shifted products, summed in one
+order, differ in the last bit on jax 0.12's CPU compiler, which contracts multiply-adds
+into FMAs differently in the two programs (12% of one case's outputs, 1 ulp), where jax
+0.10 and 0.11 gave the same bits. NaN from a border on, in
 time order, changes no earlier output bit. The compiled program exchanges frames by
-collective-permutes and gathers nothing. The checks need 8 devices: in an ordinary run
-``test_on_8_forced_cpu_devices`` runs this file in a fresh interpreter with 8 forced CPU
-devices.
+collective-permutes and gathers nothing. The checks need 8 devices (a CPU session has
+them, ``tests/conftest.py``; elsewhere ``test_on_8_forced_cpu_devices`` runs this file in
+a fresh interpreter with 8 forced CPU devices).
 """
 from __future__ import annotations
 
@@ -90,8 +92,6 @@ def test_time_sharded_equals_one_device(name, layout):
     assert y.shape == y1.shape
     reduction = int(np.prod(k_shape[:-1]))
     scale = float(np.abs(np.asarray(x)).max() * np.abs(np.asarray(k)).max())
-    if "feature_group_count" in kw:  # depthwise: shifted products, the same order at every length
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(y1))
     assert_close(y, y1, F32, reduction, scale)
     text = forward.lower(into(x), k, b).compile().as_text()
     assert "all-gather" not in text and "collective-permute" in text
