@@ -18,7 +18,7 @@ from .masks import (
     vertical_stack_mask,
 )
 from .ops.causal_conv import causal_conv, causal_conv_stream, causal_conv_transpose, causal_conv_transpose_stream
-from .ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from .ops.causal_conv1d import causal_conv1d, causal_conv1d_step, causal_conv1d_update
 from .ops.masked_conv import IMPLEMENTATIONS, masked_conv
 from .ops.masked_conv.reference import leaky_masked_conv, masked_conv_reference
 
@@ -31,6 +31,7 @@ __all__ = [
     "masked_conv",
     "causal_conv1d",
     "causal_conv1d_update",
+    "causal_conv1d_step",
     "causal_conv",
     "causal_conv_stream",
     "causal_conv_transpose",

@@ -1,0 +1,224 @@
+"""Serving: :func:`causal_conv1d_step`, a continuous-batching scheduler's whole step in one call.
+
+A scheduler step of a hybrid model runs one flat batch of tokens that mixes prefill chunks
+of new requests and decode tokens of running ones; each request's short-convolution state
+lives in a slot of a pool. This module runs such a step as one :func:`~.api.causal_conv1d`
+call on one extended sequence: each request's tokens follow its state (the last inputs its
+slot holds, of its own document: the request's index as its segment id), so every output
+is the one ``causal_conv1d`` gives on the request's whole sequence, and no value crosses
+from one request, pad row or unused slot to another. The states after the step, and with
+prefix caching after every block boundary the step crosses, are the last inputs of each
+request's sequence: copies, exact in any dtype that holds x's values.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..._core.args import as_operand
+from ..._core.errors import OpError
+from ..._core.history import check_dtype
+from .api import causal_conv1d
+from .checks import check_activation, check_operands
+from .update import PAD_SLOT_ID, check_row_values, check_state_indices, read_slots, write_slots
+
+__all__ = ["causal_conv1d_step"]
+
+OP = OpError("causal_conv1d_step")
+
+
+def causal_conv1d_step(
+    x: jax.typing.ArrayLike,
+    pool: jax.typing.ArrayLike,
+    weight: jax.typing.ArrayLike,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    query_start_loc: jax.typing.ArrayLike,
+    state_indices: jax.typing.ArrayLike,
+    has_initial_state: jax.typing.ArrayLike | None = None,
+    write_indices: jax.typing.ArrayLike | None = None,
+    block_size: int | None = None,
+    block_indices: jax.typing.ArrayLike | None = None,
+    num_computed_tokens: jax.typing.ArrayLike | None = None,
+    activation: str | None = None,
+    dilation: int = 1,
+    implementation: str | None = None,
+    interpret: bool = False,
+):
+    """One scheduler step: the outputs of every request's tokens, and the pool after them.
+
+    Request ``r`` owns tokens ``x[query_start_loc[r]:query_start_loc[r + 1]]`` (none is
+    allowed): a prefill chunk of any length, 1 and fewer than ``W - 1`` included, or a
+    decode step. It reads slot ``state_indices[r]`` of the pool (the last ``state_len``
+    inputs of its sequence so far, oldest first, as :func:`~.update.causal_conv1d_update`
+    keeps a linear slot), or starts fresh where ``has_initial_state[r]`` is false (the
+    slot is never read: a NaN there cannot reach an output), and writes the last
+    ``state_len`` inputs of its sequence after the step to slot ``write_indices[r]``
+    (default: the slot it read). Its outputs are :func:`~.api.causal_conv1d`'s on its whole
+    sequence, computed by ``causal_conv1d`` on the step's extended sequence: bit for bit
+    wherever XLA compiles the two programs' arithmetic alike (docs: where bit for bit
+    stops), within the dtype's rounding otherwise.
+
+    Under ``jax.jit(..., donate_argnums=1)`` the pool is updated in place: one gather of
+    the requests' slots, one scatter of the new states (and block states).
+
+    Args:
+      x: ``(T, D)``: the step's tokens, requests back to back, then padding up to ``T``
+        (static, so one program serves every step of that size); float32, bfloat16 or
+        float16.
+      pool: ``(S, state_len, D)``, ``state_len >= (W - 1) * dilation``, in x's dtype or a
+        wider float one that holds x's values exactly (float32 states for 16-bit x).
+      weight, bias, activation, dilation, implementation, interpret: as in
+        :func:`~.api.causal_conv1d`.
+      query_start_loc: ``(R + 1,)`` integers, non-decreasing from 0; ``R`` is static
+        (padded with requests of no token).
+      state_indices: ``(R,)`` signed integers: each request's slot, or
+        :data:`~.update.PAD_SLOT_ID` for a pad row (zero outputs, reads and writes nothing).
+        Concrete indices are checked (in ``[0, S)`` or ``PAD_SLOT_ID``, no slot twice).
+      has_initial_state: ``(R,)`` bools or ``None`` (all true).
+      write_indices: ``(R,)`` or ``None``: where each request's state after the step goes,
+        when it is not the slot it read (a request that starts from a cached prefix's
+        block slot writes its own).
+      block_size: ``K`` for prefix caching, or ``None``: the state after every multiple of
+        ``K`` tokens of a request (counted from its start, across steps) is written to the
+        slot ``block_indices`` names for that block.
+      block_indices: ``(R, M)`` integers with ``block_size``: slot ``block_indices[r, m]``
+        receives request ``r``'s state after ``(m + 1) * K`` tokens if this step crosses
+        that boundary (``PAD_SLOT_ID``: not cached). ``M`` is static.
+      num_computed_tokens: ``(R,)`` integers with ``block_size``: how many tokens each
+        request had before this step.
+
+    Returns:
+      ``y (T, D)`` in x's dtype (zeros at padding and pad rows), and the new pool (same
+      shape and dtype).
+    """
+    x, weight, pool = as_operand("x", x), as_operand("weight", weight), as_operand("pool", pool)
+    bias = None if bias is None else as_operand("bias", bias)
+    check_activation(activation, OP)
+    if x.ndim != 2:
+        raise OP.value(f"x must be (T, D), the step's tokens back to back, got shape {tuple(x.shape)}")
+    _, d, window = check_operands(x[None], weight, bias, dilation, OP)
+    slots, state_len = _check_pool(pool, window, d, x.dtype)
+    qsl = _check_query_start_loc(query_start_loc)
+    requests = qsl.shape[0] - 1
+    read = check_state_indices(state_indices, requests, slots, OP)
+    write = read if write_indices is None else check_state_indices(write_indices, requests, slots, OP, "write_indices")
+    fresh = None if has_initial_state is None else check_row_values("has_initial_state", has_initial_state, requests,
+                                                                    "b", OP)
+    blocks = _check_blocks(block_size, block_indices, num_computed_tokens, requests, slots)
+
+    rows = read_slots(pool, read)
+    if fresh is not None:
+        rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
+    rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
+    owner = _owners(qsl, x.shape[0])  # (T,): each token's request, R for padding
+    y = _outputs(x, rows[:, state_len - window:].astype(x.dtype), weight, bias, qsl, owner, read, window,
+                 activation=activation, dilation=dilation, implementation=implementation, interpret=interpret)
+    counts = qsl[1:] - qsl[:-1]
+    new_pool = write_slots(pool, write, _state_after(rows, x, qsl, counts))
+    if blocks is not None:
+        new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
+    return y, new_pool
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _owners(qsl: jax.Array, tokens: int) -> jax.Array:
+    """``(T,)`` int32: the request owning each token, ``R`` for the padding after the last: how
+    many requests end at or before it (a scatter and a cumulative sum, no search loop)."""
+    ends = jnp.zeros((tokens + 1,), jnp.int32).at[jnp.minimum(qsl[1:], tokens)].add(1)
+    return jnp.cumsum(ends)[:tokens]
+
+
+def _outputs(x, before, weight, bias, qsl, owner, read, window: int, **conv):
+    """``y (T, D)``: ``causal_conv1d`` on the extended sequence, request ``r``'s ``window``
+    state inputs before its tokens, its index as their segment id (``-1`` for pad rows and
+    padding: zero outputs, read by nobody)."""
+    tokens, requests = x.shape[0], before.shape[0]
+    extended = tokens + requests * window
+    # Token t of request r sits after the r + 1 states before it; padding tokens go nowhere.
+    at = jnp.where(owner < requests, jnp.arange(tokens) + (owner + 1) * window, extended)
+    ids = jnp.where(owner < requests, owner, -1)
+    ids = jnp.where(jnp.take(read, jnp.minimum(owner, requests - 1)) == PAD_SLOT_ID, -1, ids)
+    state_at = (qsl[:-1] + jnp.arange(requests) * window)[:, None] + jnp.arange(window)  # (R, window)
+    state_ids = jnp.broadcast_to(jnp.where(read == PAD_SLOT_ID, -1, jnp.arange(requests))[:, None], state_at.shape)
+    xe = jnp.zeros((extended, x.shape[1]), x.dtype).at[state_at.reshape(-1)].set(before.reshape(-1, x.shape[1]))
+    xe = xe.at[at].set(x, mode="drop")
+    ide = jnp.full((extended,), -1, jnp.int32).at[state_at.reshape(-1)].set(state_ids.reshape(-1))
+    ide = ide.at[at].set(ids.astype(jnp.int32), mode="drop")
+    ye = causal_conv1d(xe[None], weight, bias, segment_ids=ide[None], **conv)[0]
+    y = jnp.take(ye, jnp.minimum(at, extended - 1), axis=0)
+    return jnp.where((ids >= 0)[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _state_after(rows, x, qsl, consumed):
+    """``(R, state_len, D)`` in the pool's dtype: the last ``state_len`` inputs of each request's
+    sequence once it has consumed ``consumed[r]`` of its tokens of the step: the slot's
+    inputs, then its tokens."""
+    state_len = rows.shape[1]
+    q = consumed[:, None] + jnp.arange(state_len)  # in (slot ++ tokens) coordinates
+    from_rows = jnp.take_along_axis(rows, jnp.minimum(q, state_len - 1)[..., None], axis=1)
+    token = jnp.clip(qsl[:-1, None] + q - state_len, 0, x.shape[0] - 1)
+    from_x = jnp.take(x, token, axis=0).astype(rows.dtype)
+    return jnp.where((q < state_len)[..., None], from_rows, from_x)
+
+
+def _write_blocks(pool, rows, x, qsl, counts, read, size: int, slots, computed):
+    """The pool with each request's state after every block boundary this step crosses,
+    written to the slot named for that block."""
+    blocks = slots.shape[1]
+    boundary = (jnp.arange(blocks) + 1) * size  # tokens consumed at the end of block m
+    consumed = boundary[None, :] - computed[:, None]  # (R, M): of this step's tokens
+    crossed = (consumed > 0) & (consumed <= counts[:, None]) & (read != PAD_SLOT_ID)[:, None]
+    target = jnp.where(crossed, slots, PAD_SLOT_ID)
+    for m in range(blocks):  # M is static and small: one gather-scatter each
+        pool = write_slots(pool, target[:, m], _state_after(rows, x, qsl, jnp.clip(consumed[:, m], 0, None)))
+    return pool
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_pool(pool, window: int, d: int, dtype) -> tuple[int, int]:
+    shape = tuple(pool.shape)
+    if len(shape) != 3 or shape[2] != d or shape[1] < window:
+        raise OP.value(
+            f"pool must be (S, state_len, D) with state_len >= (W - 1) * dilation = {window} and D = {d}, got {shape}"
+        )
+    if np.dtype(pool.dtype).kind != "f" or jnp.promote_types(dtype, pool.dtype) != np.dtype(pool.dtype):
+        check_dtype(OP, "pool", pool, dtype, hint=" (or a wider float dtype that holds x's values exactly)")
+    return shape[0], shape[1]
+
+
+def _check_query_start_loc(qsl):
+    if not isinstance(qsl, (jax.Array, jax.ShapeDtypeStruct)):
+        qsl = jnp.asarray(qsl)
+    if np.dtype(qsl.dtype).kind not in "iu" or qsl.ndim != 1 or qsl.shape[0] < 2:
+        raise OP.value(
+            f"query_start_loc must be (R + 1,) integers, R >= 1 requests, got shape {tuple(qsl.shape)} of "
+            f"{np.dtype(qsl.dtype)}"
+        )
+    if not isinstance(qsl, jax.core.Tracer):
+        values = np.asarray(qsl)
+        if values[0] != 0 or (np.diff(values) < 0).any():
+            raise OP.value(f"query_start_loc must start at 0 and never decrease, got {values.tolist()}")
+    return qsl.astype(jnp.int32)
+
+
+def _check_blocks(block_size, block_indices, num_computed_tokens, requests: int, slots: int):
+    if block_size is None:
+        if block_indices is not None or num_computed_tokens is not None:
+            raise OP.value("block_indices and num_computed_tokens are for prefix caching: pass block_size too")
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise OP.value(f"block_size must be a positive int, got {block_size!r}")
+    if block_indices is None or num_computed_tokens is None:
+        raise OP.value("block_size needs block_indices (R, M) and num_computed_tokens (R,)")
+    block_indices = jnp.asarray(block_indices)
+    if block_indices.ndim != 2 or block_indices.shape[0] != requests or np.dtype(block_indices.dtype).kind != "i":
+        raise OP.value(f"block_indices must be (R, M) = ({requests}, M) signed integers, got shape "
+                       f"{tuple(block_indices.shape)} of {np.dtype(block_indices.dtype)}")
+    computed = check_row_values("num_computed_tokens", num_computed_tokens, requests, "iu", OP)
+    return int(block_size), block_indices.astype(jnp.int32), computed.astype(jnp.int32)

@@ -1,0 +1,185 @@
+"""``causal_conv1d_step``: a continuous-batching scheduler's steps against ``causal_conv1d`` on
+each request's whole sequence.
+
+A schedule runs requests through steps of a fixed size (``T`` tokens, ``R`` requests,
+padded), as a server does: prefill chunks of any length (1, and fewer than ``W - 1``,
+included), decode steps, pad rows, requests that start fresh in slots full of NaN. Each
+request's outputs, concatenated over its steps, must equal ``causal_conv1d``'s on its
+whole sequence within the dtype's rounding (two programs: XLA may contract their
+multiply-adds differently), and its states, which are copies of its inputs, bit for bit.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.numerics import assert_close, random
+
+from maskconv_kernels.ops.causal_conv1d import PAD_SLOT_ID, causal_conv1d, causal_conv1d_step
+
+BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+D = 8
+
+
+def _run(seqs, schedule, w, b, *, pool, slots, tokens, requests, block=None, **kw):
+    """Runs ``schedule`` (a list of steps, each ``{request: chunk length}``); returns each
+    request's outputs, concatenated, and the pool after the last step.
+
+    Request ``r`` lives in slot ``slots[r]``; its first step starts it fresh. ``block``:
+    ``(K, block_slots (n_requests, M))`` for prefix caching.
+    """
+    done = {r: 0 for r in range(len(seqs))}
+    outs = {r: [] for r in range(len(seqs))}
+    step = jax.jit(lambda x, pool, *a, **k: causal_conv1d_step(x, pool, w, b, **k, **kw), static_argnames=("block_size",))
+    for chunks in schedule:
+        x = np.zeros((tokens, D), seqs[0].dtype)
+        qsl, read, fresh, computed, table = [0], [], [], [], []
+        for r, n in chunks.items():
+            x[qsl[-1]:qsl[-1] + n] = seqs[r][done[r]:done[r] + n]
+            qsl.append(qsl[-1] + n)
+            read.append(slots[r])
+            fresh.append(done[r] > 0)
+            computed.append(done[r])
+            if block is not None:
+                table.append(block[1][r])
+        while len(read) < requests:  # pad rows, with tokens of their own: NaN, never read
+            x[qsl[-1]:qsl[-1] + 1] = np.nan
+            qsl.append(qsl[-1] + 1)
+            read.append(PAD_SLOT_ID)
+            fresh.append(True)
+            computed.append(0)
+            if block is not None:
+                table.append(np.full_like(block[1][0], PAD_SLOT_ID))
+        extra = {}
+        if block is not None:
+            extra = dict(block_size=block[0], block_indices=jnp.asarray(np.stack(table)),
+                         num_computed_tokens=jnp.asarray(computed))
+        y, pool = step(jnp.asarray(x), pool, query_start_loc=jnp.asarray(qsl), state_indices=jnp.asarray(read),
+                       has_initial_state=jnp.asarray(fresh), **extra)
+        y = np.asarray(y)
+        assert (y[qsl[len(chunks)]:] == 0).all(), "padding and pad rows give zeros"
+        for i, (r, n) in enumerate(chunks.items()):
+            outs[r].append(y[qsl[i]:qsl[i + 1]])
+            done[r] += n
+    return {r: np.concatenate(o) for r, o in outs.items()}, pool
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
+
+
+# Three requests: a long prefill in chunks of 3, 1 (shorter than W - 1) and 5, then decode;
+# a short one; one that starts late. Steps of 12 tokens and 4 requests.
+SCHEDULE = [
+    {0: 3, 1: 2},
+    {0: 1, 1: 1, 2: 6},
+    {0: 5, 2: 1},
+    {0: 1, 1: 1, 2: 1},
+    {0: 1, 2: 4},
+]
+LENGTHS = (11, 4, 12)
+
+
+@pytest.mark.parametrize("width, dilation, x_dtype, pool_dtype", [
+    (4, 1, F32, F32), (2, 1, F32, F32), (4, 2, BF16, F32), (3, 1, BF16, BF16),
+], ids=["W4", "W2", "W4_d2_bf16_f32pool", "W3_bf16"])
+def test_every_request_equals_causal_conv1d_on_its_whole_sequence(width, dilation, x_dtype, pool_dtype):
+    seqs = [np.asarray(random(10 + r, (n, D), x_dtype)) for r, n in enumerate(LENGTHS)]
+    w, b = random(1, (width, D), F32, scale=0.5), random(2, (D,), F32, scale=0.5)
+    state_len = (width - 1) * dilation + 1  # one more than the window reads: Mamba keeps W
+    pool = jnp.full((6, state_len, D), jnp.nan, pool_dtype)  # unused slots and fresh requests' old content: NaN
+    slots = {0: 4, 1: 0, 2: 2}
+    outs, pool = _run(seqs, SCHEDULE, w, b, pool=pool, slots=slots, tokens=12, requests=4, activation="silu",
+                      dilation=dilation)
+    for r, seq in enumerate(seqs):
+        full, final = causal_conv1d(jnp.asarray(seq)[None], w, b, activation="silu", dilation=dilation,
+                                    return_final_state=True)
+        scale = float(np.abs(seq.astype(np.float64)).max() * np.abs(np.asarray(w)).max() * width + 1)
+        assert_close(outs[r], full[0], x_dtype, width, scale)
+        # The slot holds the last state_len inputs (copies), the final state's window among them.
+        slot = np.asarray(np.asarray(pool)[slots[r]], np.float64)
+        padded = np.concatenate([np.zeros((state_len, D)), np.asarray(seq, np.float64)])  # a fresh start: zeros before
+        np.testing.assert_array_equal(slot, padded[-state_len:])
+        np.testing.assert_array_equal(slot[state_len - final.shape[1]:], np.asarray(final[0], np.float64))
+    assert np.isnan(np.asarray(np.asarray(pool)[[1, 3, 5]], np.float64)).all(), "slots nobody named are untouched"
+
+
+def test_nan_in_other_requests_pad_rows_and_slots_reaches_no_output_or_state():
+    seqs = [np.asarray(random(20 + r, (n, D), F32)) for r, n in enumerate(LENGTHS)]
+    w, b = random(3, (4, D), F32), random(4, (D,), F32)
+    slots = {0: 1, 1: 3, 2: 5}
+    clean, clean_pool = _run(seqs, SCHEDULE, w, b, pool=jnp.zeros((6, 3, D)), slots=slots, tokens=12, requests=4)
+    poisoned = [s.copy() for s in seqs]
+    poisoned[1][:] = np.nan  # another request's tokens (its own outputs become NaN)
+    pool = jnp.zeros((6, 3, D)).at[jnp.array([0, 2, 4])].set(jnp.nan)  # slots nobody reads
+    outs, pool = _run(poisoned, SCHEDULE, w, b, pool=pool, slots=slots, tokens=12, requests=4)
+    for r in (0, 2):
+        np.testing.assert_array_equal(_bits(outs[r]), _bits(clean[r]))
+        np.testing.assert_array_equal(_bits(pool[slots[r]]), _bits(clean_pool[slots[r]]))
+    assert np.isnan(outs[1]).all()
+
+
+def test_prefix_caching_writes_each_block_state_and_a_new_request_starts_from_one():
+    """Blocks of K = 4 tokens: a request of 11 tokens in chunks of 3, 1, 5, 2 (the chunk of
+    one token, shorter than W - 1, completes block 0) leaves the states after 4 and 8
+    tokens in the slots named for them; a second request with the same first 8 tokens
+    starts from block 1's slot and gives the outputs the full sequence gives."""
+    seq = np.asarray(random(30, (11, D), F32))
+    w, b = random(5, (4, D), F32), random(6, (D,), F32)
+    pool = jnp.full((8, 3, D), jnp.nan)
+    table = np.array([[5, 6, PAD_SLOT_ID]])  # block 0's state to slot 5, block 1's to slot 6
+    schedule = [{0: 3}, {0: 1}, {0: 5}, {0: 2}]
+    outs, pool = _run([seq], schedule, w, b, pool=pool, slots={0: 0}, tokens=6, requests=2, block=(4, table))
+    full = np.asarray(causal_conv1d(jnp.asarray(seq)[None], w, b)[0])
+    for block, slot in ((1, 5), (2, 6)):
+        np.testing.assert_array_equal(np.asarray(pool[slot]), seq[block * 4 - 3:block * 4])
+    assert_close(outs[0], full, F32, 4, float(np.abs(seq).max() * np.abs(np.asarray(w)).max() * 4 + 1))
+    # A new request with the cached prefix: it reads slot 6 and writes its own slot 7.
+    x = np.zeros((6, D), np.float32)
+    x[:3] = seq[8:]
+    y, pool = causal_conv1d_step(jnp.asarray(x), pool, w, b, query_start_loc=jnp.array([0, 3]),
+                                 state_indices=jnp.array([6]), write_indices=jnp.array([7]))
+    assert_close(y[:3], full[8:], F32, 4, float(np.abs(seq).max() * np.abs(np.asarray(w)).max() * 4 + 1))
+    np.testing.assert_array_equal(np.asarray(pool[7]), seq[-3:])
+    np.testing.assert_array_equal(np.asarray(pool[6]), seq[5:8])  # the cached block is kept
+
+
+def test_the_pool_is_updated_in_place_under_jit_with_donation():
+    pool = jnp.zeros((64, 3, D))
+    w, b = random(7, (4, D), F32), random(8, (D,), F32)
+    step = jax.jit(lambda x, pool, q, s: causal_conv1d_step(x, pool, w, b, query_start_loc=q, state_indices=s),
+                   donate_argnums=1)
+    args = (jnp.ones((16, D)), pool, jnp.array([0, 5, 6, 6, 10]), jnp.array([3, 9, PAD_SLOT_ID, 40]))
+    header = next(line for line in step.lower(*args).compile().as_text().splitlines() if line.startswith("HloModule"))
+    assert "input_output_alias={ {1}: (1, {}" in header, header
+    address = pool.unsafe_buffer_pointer()
+    _, new = step(*args)
+    assert pool.is_deleted() and new.unsafe_buffer_pointer() == address
+
+
+@pytest.mark.parametrize("changes, error, message", [
+    (dict(query_start_loc=np.array([0, 3, 2])), ValueError, r"query_start_loc must start at 0 and never decrease"),
+    (dict(pool=np.zeros((4, 3, D), jnp.bfloat16)), TypeError, r"pool must have x's dtype float16"),
+    (dict(pool=np.zeros((4, 2, D), np.float32)), ValueError, r"pool must be \(S, state_len, D\) with state_len >= \(W - 1\) \* dilation = 3"),
+    (dict(state_indices=np.array([1, 1])), ValueError, r"state_indices names slots \[1\] for several rows"),
+    (dict(block_size=4), ValueError, r"block_size needs block_indices"),
+    (dict(x=np.zeros((2, 6, D), np.float16)), ValueError, r"x must be \(T, D\)"),
+])
+def test_bad_input_names_the_argument(changes, error, message):
+    args = dict(x=np.zeros((6, D), np.float16), pool=np.zeros((4, 3, D), np.float32), weight=np.ones((4, D), np.float16),
+                query_start_loc=np.array([0, 2, 5]), state_indices=np.array([0, 1])) | changes
+    with pytest.raises(error, match="^causal_conv1d_step: " + message):
+        causal_conv1d_step(args.pop("x"), args.pop("pool"), args.pop("weight"), **args)
+
+
+def test_lowered_it_holds_one_short_convolution_and_no_loop_over_requests():
+    """One call on the extended sequence: no while loop, no convolution (the depthwise maps)."""
+    w = random(9, (4, D), F32)
+    text = jax.jit(lambda x, pool, q, s: causal_conv1d_step(x, pool, w, query_start_loc=q, state_indices=s)).lower(
+        jnp.ones((16, D)), jnp.zeros((8, 3, D)), jnp.array([0, 5, 16]), jnp.array([1, 2])).as_text()
+    assert "stablehlo.while" not in text and "stablehlo.convolution" not in text
+    assert re.search(r"stablehlo\.scatter", text)
