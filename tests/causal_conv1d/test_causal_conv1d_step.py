@@ -183,3 +183,36 @@ def test_lowered_it_holds_one_short_convolution_and_no_loop_over_requests():
         jnp.ones((16, D)), jnp.zeros((8, 3, D)), jnp.array([0, 5, 16]), jnp.array([1, 2])).as_text()
     assert "stablehlo.while" not in text and "stablehlo.convolution" not in text
     assert re.search(r"stablehlo\.scatter", text)
+
+
+@pytest.mark.parametrize("width, drafts", [(4, 2), (2, 3)])
+def test_speculative_decoding_never_reads_a_rejected_draft(width, drafts):
+    """Each decode step carries the last accepted token and ``k`` drafts, the rejected ones
+    NaN; with the previous step's ``num_accepted_tokens`` every accepted output equals the
+    full sequence's and no NaN reaches an output or the state later tokens read."""
+    rng = np.random.default_rng(width)
+    seq = np.asarray(random(40, (40, D), F32))
+    w, b = random(41, (width, D), F32), random(42, (D,), F32)
+    window, state_len = width - 1, width - 1 + drafts
+    pool = jnp.full((3, state_len, D), jnp.nan)
+    step = jax.jit(lambda x, pool, q, fresh, a: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=q, state_indices=jnp.array([1]), has_initial_state=fresh,
+        num_accepted_tokens=a, activation="silu"))
+    full = np.asarray(causal_conv1d(jnp.asarray(seq)[None], w, b, activation="silu")[0])
+    tokens = 1 + drafts
+    # The prompt: 5 tokens, all accepted.
+    x = np.zeros((8, D), np.float32)
+    x[:5] = seq[:5]
+    y, pool = step(jnp.asarray(x), pool, jnp.array([0, 5]), jnp.array([False]), jnp.array([drafts + 1]))
+    got, done, accepted = [np.asarray(y[:5])], 5, drafts + 1
+    while done + tokens <= len(seq):
+        a_next = int(rng.integers(1, tokens + 1))  # how many of this step's tokens the verifier keeps
+        x = np.zeros((8, D), np.float32)
+        x[:a_next] = seq[done:done + a_next]
+        x[a_next:tokens] = np.nan  # the rejected drafts
+        y, pool = step(jnp.asarray(x), pool, jnp.array([0, tokens]), jnp.array([True]), jnp.array([accepted]))
+        got.append(np.asarray(y[:a_next]))
+        done, accepted = done + a_next, a_next
+    got = np.concatenate(got)
+    assert np.isfinite(got).all()
+    assert_close(got, full[:done], F32, width, float(np.abs(seq).max() * np.abs(np.asarray(w)).max() * width + 1))

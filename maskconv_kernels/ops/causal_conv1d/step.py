@@ -41,6 +41,7 @@ def causal_conv1d_step(
     block_size: int | None = None,
     block_indices: jax.typing.ArrayLike | None = None,
     num_computed_tokens: jax.typing.ArrayLike | None = None,
+    num_accepted_tokens: jax.typing.ArrayLike | None = None,
     activation: str | None = None,
     dilation: int = 1,
     implementation: str | None = None,
@@ -88,6 +89,14 @@ def causal_conv1d_step(
         that boundary (``PAD_SLOT_ID``: not cached). ``M`` is static.
       num_computed_tokens: ``(R,)`` integers with ``block_size``: how many tokens each
         request had before this step.
+      num_accepted_tokens: ``(R,)`` integers or ``None``, for speculative decoding: a row
+        whose previous step carried ``1 + k`` tokens (the last accepted one and ``k``
+        drafts) accepted the first ``a`` of them, ``1 <= a <= k + 1``; its slot, of
+        ``state_len = (W - 1) * dilation + k`` inputs, then holds valid inputs up to ``a``
+        of that step's tokens, and the rejected drafts after them are never read: the
+        window before this step's tokens ends at the last accepted one, and the state
+        written after them holds no rejected input. ``k + 1`` (``state_len - (W - 1) *
+        dilation + 1``) for a row whose every previous token was accepted (a prefill).
 
     Returns:
       ``y (T, D)`` in x's dtype (zeros at padding and pad rows), and the new pool (same
@@ -107,8 +116,11 @@ def causal_conv1d_step(
     fresh = None if has_initial_state is None else check_row_values("has_initial_state", has_initial_state, requests,
                                                                     "b", OP)
     blocks = _check_blocks(block_size, block_indices, num_computed_tokens, requests, slots)
+    accepted = None if num_accepted_tokens is None else _check_accepted(num_accepted_tokens, requests, state_len, window)
 
     rows = read_slots(pool, read)
+    if accepted is not None:
+        rows = _valid_history(rows, accepted, window)
     if fresh is not None:
         rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
     rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
@@ -151,6 +163,17 @@ def _outputs(x, before, weight, bias, qsl, owner, read, window: int, **conv):
     ye = causal_conv1d(xe[None], weight, bias, segment_ids=ide[None], **conv)[0]
     y = jnp.take(ye, jnp.minimum(at, extended - 1), axis=0)
     return jnp.where((ids >= 0)[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _valid_history(rows, accepted, window: int):
+    """The slots with their valid inputs moved to the end (zeros before): after a step of
+    ``1 + k`` tokens of which ``accepted`` were, the valid history is the first
+    ``window - 1 + accepted`` of the ``state_len = window + k`` inputs a slot holds."""
+    state_len = rows.shape[1]
+    shift = state_len - (window - 1 + accepted)  # (R,): the rejected drafts at the end
+    source = jnp.arange(state_len)[None, :] - shift[:, None]
+    moved = jnp.take_along_axis(rows, jnp.clip(source, 0, state_len - 1)[..., None], axis=1)
+    return jnp.where((source >= 0)[..., None], moved, jnp.zeros((), rows.dtype))
 
 
 def _state_after(rows, x, qsl, consumed):
@@ -205,6 +228,19 @@ def _check_query_start_loc(qsl):
         if values[0] != 0 or (np.diff(values) < 0).any():
             raise OP.value(f"query_start_loc must start at 0 and never decrease, got {values.tolist()}")
     return qsl.astype(jnp.int32)
+
+
+def _check_accepted(accepted, requests: int, state_len: int, window: int):
+    accepted = check_row_values("num_accepted_tokens", accepted, requests, "iu", OP)
+    most = state_len - window + 1
+    if not isinstance(accepted, jax.core.Tracer):
+        values = np.asarray(accepted)
+        if ((values < 1) | (values > most)).any():
+            raise OP.value(
+                f"num_accepted_tokens must be in [1, state_len - (W - 1) * dilation + 1] = [1, {most}] (the slot holds "
+                f"{state_len - window} draft positions beyond the window), got {values.tolist()}"
+            )
+    return accepted.astype(jnp.int32)
 
 
 def _check_blocks(block_size, block_indices, num_computed_tokens, requests: int, slots: int):
