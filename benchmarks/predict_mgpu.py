@@ -5,9 +5,9 @@
 
 PREDICTIONS, NOT MEASUREMENTS. Work, bytes, programs and rounds come from the backend's
 own code (``grid.forward_grid`` / ``input_grad_grid`` / ``weight_grad_grid``,
-``Tiles.get_default``, ``config.stages``, ``config.weight_grad_splits``, the shapes of
+``Config.get_default``, ``config.stages``, ``config.weight_grad_splits``, the shapes of
 ``grid.copies`` / ``grid.rows_of`` through ``jax.eval_shape``), so they are what the
-kernels launch. It prints the default ``Tiles`` (warp-specialized) and the same tiles
+kernels launch. It prints the default ``Config`` tiles (warp-specialized) and the same tiles
 with ``warp_specialized=False``. Times rest on assumptions, each a flag (``Assumptions``):
 
 * peak 720 TFLOP/s (bf16 8192^3 matmul, first H200 run) shared evenly by 132 SMs;
@@ -41,7 +41,7 @@ import numpy as np
 
 from maskconv_kernels._core.hardware import SM_COUNT
 from maskconv_kernels.bench.shapes import HEADLINE_SHAPES
-from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Tiles, grid
+from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Config, grid
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.config import stages, weight_grad_splits
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.kernels import weight_grad_chunk
 from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
@@ -82,7 +82,7 @@ def _schedule(tiles, slots, steps, step_flops, efficiency, overhead_us) -> dict:
                 steps=steps, t_compute=t)
 
 
-def tap_gemm(g, t: Tiles, batch, c_a, c_out, a: Assumptions) -> dict:
+def tap_gemm(g, t: Config, batch, c_a, c_out, a: Assumptions) -> dict:
     """The forward (operand x) or the input gradient (operand dy), as ``conv._tap_conv`` and
     ``kernels.tap_gemm`` launch it: persistent, ``min(132, tiles)`` programs walking
     (pixel tile, channel tile), channel tiles innermost."""
@@ -118,7 +118,7 @@ def tap_gemm(g, t: Tiles, batch, c_a, c_out, a: Assumptions) -> dict:
     return s
 
 
-def tap_weight_grad(p, g, t: Tiles, batch, a: Assumptions) -> dict:
+def tap_weight_grad(p, g, t: Config, batch, a: Assumptions) -> dict:
     """The weight gradient, as ``conv.weight_grad`` launches it (one program per tile, one warpgroup)."""
     tn, bci, chunk = t.tile_n, t.weight_grad_c_in, weight_grad_chunk(g, t)
     ci_pad, co_pad = grid.round_up(p.c_in, bci), grid.round_up(p.c_out, tn)
@@ -152,13 +152,13 @@ def tap_weight_grad(p, g, t: Tiles, batch, a: Assumptions) -> dict:
     return s
 
 
-def predict(shape, kinds=("fwd", "dx", "dw"), tiles: Tiles | None = None, a: Assumptions = Assumptions()) -> list[dict]:
+def predict(shape, kinds=("fwd", "dx", "dw"), tiles: Config | None = None, a: Assumptions = Assumptions()) -> list[dict]:
     """One row per kernel of ``shape`` (bf16, its full batch) with ``tiles`` (default: the heuristic's)."""
     x = jax.ShapeDtypeStruct(shape.x_shape(shape.batch), jnp.bfloat16)
     k = jax.ShapeDtypeStruct(shape.kernel_shape, jnp.bfloat16)
     spec = make_spec(x, k, shape.mask, **shape.conv_args)
     p = kernel_problem(spec)
-    t = tiles or Tiles.get_default(spec, jnp.bfloat16)
+    t = tiles or Config.get_default(spec, jnp.bfloat16)
     dense = 2 * shape.batch * math.prod(spec.out_spatial) * math.prod(shape.window) * shape.c_in * shape.c_out
     make = {
         "fwd": lambda: (grid.forward_grid(p), lambda g: tap_gemm(g, t, shape.batch, p.c_in, p.c_out, a)),
@@ -228,12 +228,12 @@ def main(argv=None) -> int:
     print(f"PREDICTIONS, not measurements: bf16, headline shapes; loop efficiency {a.ws_loop_efficiency} "
           f"warp-specialized / {a.loop_efficiency} one warpgroup, {a.ws_overhead_us} / {a.overhead_us} us per "
           f"tile; copies at {a.copy_tbs} TB/s; cuDNN at {a.cudnn_efficiency:.0%} of 720 TFLOP/s")
-    for title, ws in (("default Tiles (warp_specialized=True)", True), ("warp_specialized=False", False)):
+    for title, ws in (("default Config (warp_specialized=True)", True), ("warp_specialized=False", False)):
         rows = []
         for s in HEADLINE_SHAPES:
             x = jax.ShapeDtypeStruct(s.x_shape(s.batch), jnp.bfloat16)
             k = jax.ShapeDtypeStruct(s.kernel_shape, jnp.bfloat16)
-            t = Tiles.get_default(make_spec(x, k, s.mask, **s.conv_args), jnp.bfloat16)
+            t = Config.get_default(make_spec(x, k, s.mask, **s.conv_args), jnp.bfloat16)
             rows += predict(s, tiles=dataclasses.replace(t, warp_specialized=ws), a=a)
         print(f"\n## {title}\n\n{tables(rows)}")
     return 0

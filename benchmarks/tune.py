@@ -12,12 +12,12 @@ ever been chosen, not measured. For each shape and dtype it times:
 * ``pallas_triton``: each kernel alone (``masked_conv`` for the forward, its
   ``jax.linear_transpose`` in ``x`` for the input gradient and in the kernel for the
   weight gradient: each runs one kernel), once per candidate tile passed as
-  ``config=BlockSizes(...)`` (``CANDIDATES``; the heuristic's pick is marked ``default``);
+  ``config=pallas_triton.Config(...)`` (``CANDIDATES``; the heuristic's pick is marked ``default``);
 * ``triton``: each kernel's autotune timings (``triton.ops.timings()``) and the chosen
   config (``triton.ops.tuned()``), re-timed with the same timer as the others through
-  ``config=Configs(...)``;
-* ``pallas_mosaic_gpu``: the three kernels with the default ``Tiles`` first, then each
-  kernel with the tiles of ``MGPU_CANDIDATES`` passed as ``config=Tiles(...)``, each row
+  ``config=triton.Config(...)``;
+* ``pallas_mosaic_gpu``: the three kernels with the default ``Config`` first, then each
+  kernel with the tiles of ``MGPU_CANDIDATES`` passed as ``config=Config(...)``, each row
   beside its prediction (``benchmarks.predict_mgpu``, full batch only).
 
 A backend that reports the problem unsupported (``backends.get(name).unsupported``:
@@ -49,12 +49,12 @@ from maskconv_kernels.bench.machine import metadata
 from maskconv_kernels.bench.shapes import HEADLINE_SHAPES, BenchShape
 from maskconv_kernels.bench.timing import DTYPES, median_times
 from maskconv_kernels.ops.masked_conv import backends
-from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Tiles
-from maskconv_kernels.ops.masked_conv.pallas_triton import BlockSizes
+from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Config as MosaicConfig
+from maskconv_kernels.ops.masked_conv.pallas_triton import Config as PallasConfig
 from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 KINDS = ("fwd", "dx", "dw")
-KERNEL_NAMES = {"fwd": "forward", "dx": "input_grad", "dw": "weight_grad"}  # BlockSizes.get_default's
+KERNEL_NAMES = {"fwd": "forward", "dx": "input_grad", "dw": "weight_grad"}  # pallas_triton.Config.get_default's
 
 # (block_m, block_n, block_k, num_warps, num_stages) of one GEMM: for the forward
 # m = output pixels, n = C_out, k = C_in; for the input gradient m = input pixels,
@@ -89,25 +89,25 @@ MGPU_CANDIDATES = {
 MGPU_CANDIDATES["dx"] = MGPU_CANDIDATES["fwd"]
 
 
-def mgpu_key(kind: str, t: Tiles) -> tuple:
+def mgpu_key(kind: str, t: MosaicConfig) -> tuple:
     """The fields of ``t`` that ``kind``'s kernel reads (rows' ``tile``)."""
     if kind == "dw":
         return (t.weight_grad_c_in, t.tile_n, t.max_concurrent_steps, t.weight_grad_splits)
     return (t.tile_pixels, t.tile_n, t.block_k, t.max_concurrent_steps, t.warp_specialized)
 
 
-def mgpu_tiles(kind: str, cand) -> Tiles:
-    """A ``Tiles`` for one candidate (raises ``ValueError`` for one ``Tiles`` rejects)."""
+def mgpu_tiles(kind: str, cand) -> MosaicConfig:
+    """A ``pallas_mosaic_gpu.Config`` for one candidate (raises ``ValueError`` for one it rejects)."""
     if kind == "dw":
         ci, tn, steps, splits = cand
         # tile_pixels is unread by the weight gradient; 64 keeps tile_pixels * tile_n valid.
-        return Tiles(tile_pixels=64, tile_n=tn, block_k=64, max_concurrent_steps=steps, weight_grad_splits=splits,
-                     weight_grad_c_in=ci)
+        return MosaicConfig(tile_pixels=64, tile_n=tn, block_k=64, max_concurrent_steps=steps,
+                            weight_grad_splits=splits, weight_grad_c_in=ci)
     tm, tn, bk, steps, ws = cand
-    return Tiles(tile_pixels=tm, tile_n=tn, block_k=bk, max_concurrent_steps=steps, warp_specialized=ws)
+    return MosaicConfig(tile_pixels=tm, tile_n=tn, block_k=bk, max_concurrent_steps=steps, warp_specialized=ws)
 
 
-def predicted_ms(shape: BenchShape, kind: str, tiles: Tiles):
+def predicted_ms(shape: BenchShape, kind: str, tiles: MosaicConfig):
     """``benchmarks.predict_mgpu``'s time for one kernel (with its XLA copies), or None."""
     try:  # imported here: it reads the backend's internals, and must never stop the timings
         from . import predict_mgpu
@@ -128,7 +128,7 @@ def skip_reason(name: str, spec, interpret: bool) -> str | None:
     return reason
 
 
-def blocks_for(kind: str, base: BlockSizes, cand) -> BlockSizes:
+def blocks_for(kind: str, base: PallasConfig, cand) -> PallasConfig:
     m, n, k, warps, stages = cand
     fields = {
         "fwd": dict(block_pixels=m, block_c_out=n, block_c_in=k),
@@ -138,7 +138,7 @@ def blocks_for(kind: str, base: BlockSizes, cand) -> BlockSizes:
     return dataclasses.replace(base, num_warps=warps, num_stages=stages, **fields)
 
 
-def gemm_of(kind: str, b: BlockSizes):
+def gemm_of(kind: str, b: PallasConfig):
     return {
         "fwd": (b.block_pixels, b.block_c_out, b.block_c_in),
         "dx": (b.block_pixels, b.block_c_in, b.block_c_out),
@@ -222,7 +222,7 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
     # sweep spends the budget.
     mgpu = runs("pallas_mosaic_gpu", cpu_check)
     if mgpu:
-        mgpu_default = Tiles.get_default(spec, dtype)
+        mgpu_default = MosaicConfig.get_default(spec, dtype)
         mgpu_sweep(shape, dtype_name, cpu_check, {kind: {mgpu_key(kind, mgpu_default): mgpu_default} for kind in KINDS},
                    mgpu_default, (x, k, dy), row)
 
@@ -230,7 +230,7 @@ def tune_shape(shape: BenchShape, dtype_name: str, deadline: float, cpu_check: b
     for kind in KINDS if runs("pallas_triton", cpu_check) else ():
         if time.perf_counter() > deadline:
             break
-        default = BlockSizes.get_default(spec, dtype, KERNEL_NAMES[kind])
+        default = PallasConfig.get_default(spec, dtype, KERNEL_NAMES[kind])
         cands = {gemm_of(kind, default): default}
         for cand in CANDIDATES[np.dtype(dtype).itemsize]:
             cands.setdefault(cand, blocks_for(kind, default, cand))
@@ -266,7 +266,7 @@ def triton_autotune(shape: BenchShape, spec, batch: int, dtype, args, deadline: 
     then its pick under this timer. The autotuner runs on a GPU only (never interpreted)."""
     x, k, dy = args
     try:
-        from maskconv_kernels.ops.masked_conv.triton import Configs, ops as triton_ops
+        from maskconv_kernels.ops.masked_conv.triton import Config as TritonConfig, ops as triton_ops
 
         jax.jit(jax.value_and_grad(
             lambda x, k: mk.masked_conv(x, k, shape.mask, implementation="triton", **shape.conv_args)
@@ -281,7 +281,7 @@ def triton_autotune(shape: BenchShape, spec, batch: int, dtype, args, deadline: 
             break
         best = tuned[(kind, p)]
         try:
-            c = jax.jit(one_kernel(kind, shape, "triton", Configs(**{kind: best}), cpu_check))
+            c = jax.jit(one_kernel(kind, shape, "triton", TritonConfig(**{kind: best}), cpu_check))
             t = time_fn(c, (x, k, dy))
         except Exception as e:  # noqa: BLE001
             row("triton", kind, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
@@ -290,8 +290,8 @@ def triton_autotune(shape: BenchShape, spec, batch: int, dtype, args, deadline: 
             autotune={json.dumps(dataclasses.asdict(cfg)): s * 1e3 for cfg, s in timings.get((kind, p), {}).items()})
 
 
-def mgpu_sweep(shape, dtype_name, cpu_check, by_kind: dict, default: Tiles, args, row):
-    """Compiles (in parallel) and times ``{kind: {key: Tiles}}`` of the Mosaic GPU kernels, one row each."""
+def mgpu_sweep(shape, dtype_name, cpu_check, by_kind: dict, default: MosaicConfig, args, row):
+    """Compiles (in parallel) and times ``{kind: {key: Config}}`` of the Mosaic GPU kernels, one row each."""
     fns = {(kind, key): one_kernel(kind, shape, "pallas_mosaic_gpu", tiles, cpu_check)
            for kind, cands in by_kind.items() for key, tiles in cands.items()}
     if not fns:

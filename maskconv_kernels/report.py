@@ -6,9 +6,10 @@ a NaN-isolation test and the causality audit of a 6-layer PixelCNN, for the usua
 ``lax.conv_general_dilated(x, kernel * mask)`` and for :func:`masked_conv` side by side,
 then a small timing table. Every figure is measured in this process, with the leak
 measurements of :mod:`maskconv_kernels.leaks`; the report says under its table what each
-row measures, its exact value and where the baseline leaks (:data:`EXPERIMENTS`). Each
-stage is announced on stderr as it starts, with its time when it ends; the report goes
-to stdout.
+experiment measures, its exact value and where the baseline leaks (:data:`EXPERIMENTS`),
+in words for someone who has not read this code: a table's lines are "experiments", a
+"row" is always a row of pixels of the test image. Each stage is announced on stderr as
+it starts, with its time when it ends; the report goes to stdout.
 """
 from __future__ import annotations
 
@@ -49,10 +50,10 @@ def _convs(implementation):
 
 
 def masked_tap_gradient(conv, channels: int = 128) -> float:
-    """Experiment 1: the largest ``|d out[2, 2] / d x|`` over rows 3-4, reached only through masked taps.
+    """Experiment 1: the largest ``|d out[2, 2] / d x|`` over image rows 3-4, reached only through masked taps.
 
-    A 5x5 image, a 3x3 kernel whose bottom row is masked, ``SAME`` padding: out[2, 2]
-    reads rows 1-3, and row 3 only through the masked row. Exact: 0.0.
+    A 5x5 image, a 3x3 kernel whose bottom row of taps is masked, ``SAME`` padding:
+    out[2, 2] reads image rows 1-3, and row 3 only through the masked taps. Exact: 0.0.
     """
     x = jax.random.normal(jax.random.PRNGKey(1), (1, 5, 5, channels))
     k = jax.random.normal(jax.random.PRNGKey(2), (3, 3, channels, channels)) / np.sqrt(9 * channels)
@@ -63,9 +64,9 @@ def masked_tap_gradient(conv, channels: int = 128) -> float:
 
 
 def zeros_over_ones(conv, channels: int = 128) -> float:
-    """Experiment 2: rows 0-2 zeros, rows 3-4 ones; the largest ``|out|`` on row 2 (exactly 0 if exact).
+    """Experiment 2: image rows 0-2 zeros, rows 3-4 ones; the largest ``|out|`` on row 2 (exactly 0 if exact).
 
-    Row 2 reads zeros through its active taps and ones only through the masked row.
+    Row 2 reads zeros through its active taps and ones only through the masked taps.
     """
     x = jnp.concatenate([jnp.zeros((1, 3, 5, channels)), jnp.ones((1, 2, 5, channels))], axis=1)
     k = jax.random.normal(jax.random.PRNGKey(2), (3, 3, channels, channels)) / np.sqrt(9 * channels)
@@ -73,7 +74,8 @@ def zeros_over_ones(conv, channels: int = 128) -> float:
 
 
 def nan_isolation(conv, channels: int = 16) -> int:
-    """inf on rows 3-4: the number of non-finite outputs on rows 0-2 (which reach them only through masked taps)."""
+    """Experiment 3: inf on image rows 3-4; the number of non-finite outputs on rows 0-2 (which reach
+    them only through masked taps)."""
     x = jax.random.normal(jax.random.PRNGKey(3), (1, 5, 5, channels)).at[:, 3:].set(jnp.inf)
     k = jax.random.normal(jax.random.PRNGKey(4), (3, 3, channels, channels)) / np.sqrt(9 * channels)
     y = jax.jit(lambda x: conv(x, k, LAST_ROW_MASKED))(x)
@@ -102,23 +104,23 @@ def stack_gradient_leak(conv) -> float:
     """Model level, by the causality audit: the largest |d out_p / d x_q| over every output
     pixel p of the stack and every input q at or after p in raster order."""
     net, x = _stack(conv)
-    return float(audit_causal(net, x, checks=("gradient",)).check("gradient").value.max())
+    return float(audit_causal(net, x, include_current=False, checks=("gradient",)).check("gradient").value.max())
 
 
 def stack_nan_leak(conv) -> int:
     """Model level, by the causality audit: output pixels of the stack that change when every
     input at or after them (in raster order) is NaN."""
     net, x = _stack(conv)
-    return int(audit_causal(net, x, checks=("nan",)).check("nan").failing.sum())
+    return int(audit_causal(net, x, include_current=False, checks=("nan",)).check("nan").failing.sum())
 
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-    """One exactness row of the report: its measurement and the words that explain it on the screen.
+    """One exactness experiment of the report (a line of its table): its measurement and the words that explain it.
 
     Attributes:
-      key: the row's name in the JSON (``exactness[conv][key]``).
-      title: the row's label in the table.
+      key: the experiment's name in the JSON (``exactness[conv][key]``).
+      title: its label in the table.
       measure: ``conv -> number`` (``conv(x, kernel, mask)``); 0 is exact.
       what: what is measured, in a sentence or two.
       exact: the value an exact convolution gives.
@@ -141,20 +143,21 @@ _CUDNN = ("on NVIDIA GPUs, where cuDNN may pick a Winograd or FFT algorithm: tho
 EXPERIMENTS = (
     Experiment(
         "masked_tap_gradient", "1. gradient through masked taps", masked_tap_gradient,
-        "a 5x5 image with 128 channels and a 3x3 kernel whose bottom row is masked: the largest gradient of "
-        "output (2, 2) with respect to rows 3-4 of the input, which that output reaches only through the "
-        "masked row.", "0",
+        "a 5x5 image with 128 channels and a 3x3 kernel whose bottom row of taps is masked: the largest "
+        "gradient of output pixel (2, 2) with respect to image rows 3-4, which that output reaches only "
+        "through the masked taps.", "0",
         f"about 1e-7 {_CUDNN}; XLA's direct convolution on CPUs gives 0.", everywhere=False),
     Experiment(
         "zeros_over_ones", "2. zeros over ones", zeros_over_ones,
-        "the same kernel on an image of zeros in rows 0-2 and ones in rows 3-4: the largest |output| on row 2, "
-        "the last row that must not see the ones (it reads them only through the masked row).", "0",
+        "the same kernel on an image of zeros in image rows 0-2 and ones in image rows 3-4: the largest "
+        "|output| on image row 2, the last one that must not see the ones (it reads them only through the "
+        "masked taps).", "0",
         "about 1e-7 under the same cuDNN algorithms: an output shifted by inputs it must not see; 0 on CPUs.",
         everywhere=False),
     Experiment(
         "nan_isolation", "3. NaN isolation", nan_isolation,
-        "inf in rows 3-4 of a 5x5 image (16 channels): the number of non-finite outputs on rows 0-2, which "
-        "reach rows 3-4 only through masked taps.", "0",
+        "inf in image rows 3-4 of a 5x5 image (16 channels): the number of non-finite outputs on image rows "
+        "0-2, which reach those rows only through masked taps.", "0",
         "on every device: a masked weight is 0, and 0 * inf = NaN.", everywhere=True),
     Experiment(
         "stack_gradient", "4. 6-layer stack, gradient (audit)", stack_gradient_leak,
@@ -239,7 +242,7 @@ def run(quick: bool = False, log=None) -> dict:
 
 
 def format_report(result: dict) -> str:
-    """The report as text: the exactness table and what each row means, then the timing table."""
+    """The report as text: the exactness table and what each experiment means, then the timing table."""
     labels = list(result["exactness"])
     baseline, ours = labels
     experiments = {e.key: e for e in EXPERIMENTS}
@@ -248,8 +251,13 @@ def format_report(result: dict) -> str:
         f"device: {result['device']}  jax {result['jax']}  python {result['python']}",
         f"masked_conv implementation: {result['implementation']}",
         "",
-        f"Exactness, measured here: {ours} must read the exact value in every row; {baseline} is the usual "
-        "masked convolution (what flax.linen.Conv(mask=...) runs).",
+    ]
+    lines += textwrap.wrap(
+        "Exactness, measured here: does an output see inputs that it reaches only through masked taps (in a "
+        "PixelCNN, the pixels not generated yet)? Each experiment puts a probe there (a gradient, ones, inf, "
+        f"NaN) and measures how much of it reaches the outputs, for {baseline} (the usual masked convolution, "
+        f"what flax.linen.Conv(mask=...) runs) and for {ours}.", 100)
+    lines += [
         "",
         f"| experiment | {' | '.join(labels)} | exact |",
         f"|---|{'---:|' * len(labels)}---:|",
@@ -259,13 +267,13 @@ def format_report(result: dict) -> str:
         e = experiments[key]
         cells = [_fmt(result["exactness"][label][key]) for label in labels]
         lines.append(f"| {e.title} | {' | '.join(cells)} | {e.exact} |")
-    lines += ["", "What each row measures:"]
+    lines += ["", EXACT_COLUMN, "", 'What each experiment measures ("row" means a row of pixels of the test image):']
     for key in keys:
         e = experiments[key]
         lines += textwrap.wrap(f"{e.title}: {e.what}", 100, initial_indent="  ", subsequent_indent="     ")
         lines += textwrap.wrap(f"Exact: {e.exact}. Where {baseline} leaks: {e.baseline}", 100,
                                initial_indent="     ", subsequent_indent="     ")
-    lines += [""] + textwrap.wrap(_device_note(result, baseline, experiments), 100)
+    lines += [""] + textwrap.wrap(_device_note(result, baseline, ours, experiments), 100)
     lines += [
         "",
         "Timing (median ms after compiling; speed-up = lax.conv time / masked_conv time; forward, then "
@@ -280,39 +288,54 @@ def format_report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _device_note(result: dict, baseline: str, experiments: dict) -> str:
-    """Why the baseline's rows read what they read on this device."""
+EXACT_COLUMN = "The exact column: what a convolution that never reads a masked tap gives; any other figure leaks."
+
+# Published figures for the CPU note: what lax.conv(kernel*mask) does on NVIDIA GPUs.
+# JAX's bug report "Gradient leakage through masked convolutions" (jax 0.3.14, a GTX
+# 1080 Ti) measured about 1e-7; this project's H200 run (jax 0.11.2, 2026-12-04) measured
+# 3.27e-8 through experiment 4's stack (benchmarks/results/h200-2026-12-04/README.md).
+_GPU_FIGURES = (
+    "JAX's bug report \"Gradient leakage through masked convolutions\" measured gradients of about 1e-7 at "
+    "masked pixels, and on an H200 (jax 0.11.2), through the 6-layer PixelCNN of experiment 4, {baseline} "
+    "leaked 3.27e-8 of gradient and {ours} 0 (benchmarks/results/h200-2026-12-04)"
+)
+
+
+def _device_note(result: dict, baseline: str, ours: str, experiments: dict) -> str:
+    """Why the baseline's figures read what they read on this device."""
     figures = result["exactness"][baseline]
     gpu_only = [e for key, e in experiments.items() if key in figures and not e.everywhere]
+    everywhere = _numbers(e for key, e in experiments.items() if key in figures and e.everywhere)
     zero = all(figures[e.key] == 0 for e in gpu_only)
-    rows = ", ".join(e.title.split(".")[0] for e in gpu_only)
     if result.get("platform", "cpu") == "cpu" and zero:
-        return (f"On this CPU {baseline} reads 0 in rows {rows}: XLA's CPU convolution is direct, so a zero weight "
-                "multiplies its input exactly. The same code leaks on NVIDIA GPUs under cuDNN's Winograd and FFT "
-                "algorithms (the bug report measured gradients of 6.7e-8 to 1.1e-7 and outputs of 1.2e-7 to "
-                "1.5e-7 where 0 was due; on an H200 with jax 0.11.2, row 4 read 3.3e-8 and rows 1 and 2 read 0), "
-                "and through 0 * inf = NaN on every device (rows 3 and 5).")
+        return (f"On this CPU {baseline} matches {ours} in {_numbers(gpu_only)}: XLA's CPU convolution is "
+                "direct, so a zero weight cancels its input exactly. It leaks on NVIDIA GPUs under cuDNN's "
+                f"Winograd and FFT algorithms: {_GPU_FIGURES.format(baseline=baseline, ours=ours)}. "
+                f"{everywhere.capitalize()} fail on every device: a masked weight is 0, and 0 * inf = 0 * NaN "
+                "= NaN.")
     if zero and result.get("platform") != "gpu":
-        return (f"{baseline} reads 0 in rows {rows} on this {result.get('platform')}; on NVIDIA GPUs it leaks "
-                "under cuDNN's Winograd and FFT algorithms, and through 0 * inf = NaN on every device (rows 3 "
-                "and 5).")
+        return (f"{baseline} reads 0 in {_numbers(gpu_only)} on this {result.get('platform')}; on NVIDIA GPUs it "
+                "leaks under cuDNN's Winograd and FFT algorithms, and through 0 * inf = NaN on every device "
+                f"({everywhere}).")
     if zero:
-        return (f"{baseline} reads 0 in rows {rows} here: cuDNN picked a direct algorithm for these shapes. It "
-                "picks per shape and per GPU, and nothing keeps it from a Winograd or FFT algorithm elsewhere; "
-                "rows 3 and 5 fail on every device.")
+        return (f"{baseline} reads 0 in {_numbers(gpu_only)} here: cuDNN picked a direct algorithm for these "
+                "shapes. It picks per shape and per GPU, and nothing keeps it from a Winograd or FFT algorithm "
+                f"elsewhere; {everywhere} fail on every device.")
     leaked = [e for e in gpu_only if figures[e.key] != 0]
     clean = [e for e in gpu_only if figures[e.key] == 0]
-    text = (f"{baseline} leaks here in {_rows(leaked)} (on a GPU: cuDNN's Winograd or FFT algorithms mix the masked "
-            "inputs into the outputs they touch)")
+    text = (f"{baseline} leaks here in {_numbers(leaked)} (on a GPU: cuDNN's Winograd or FFT algorithms mix the "
+            "masked inputs into the outputs they touch)")
     if clean:
-        text += f", reads 0 in {_rows(clean)}"
-    return text + ", and rows 3 and 5 fail on every device."
+        text += f", reads 0 in {_numbers(clean)}"
+    return text + f", and {everywhere} fail on every device."
 
 
-def _rows(experiments) -> str:
-    """``row 1`` or ``rows 1, 2``: the experiments' numbers."""
+def _numbers(experiments) -> str:
+    """``experiment 1`` or ``experiments 1, 2 and 4``: the experiments' numbers, never "rows"."""
     numbers = [e.title.split(".")[0] for e in experiments]
-    return ("row " if len(numbers) == 1 else "rows ") + ", ".join(numbers)
+    if len(numbers) == 1:
+        return f"experiment {numbers[0]}"
+    return "experiments " + ", ".join(numbers[:-1]) + " and " + numbers[-1]
 
 
 def _fmt(v):
@@ -326,13 +349,14 @@ runs), each figure measured here.
 
 Exactness, five experiments (0 is exact):
   1. the gradient of an output with respect to inputs it reaches only through masked taps;
-  2. zeros above, ones below: the output on the last row that must not see the ones is
-     exactly 0;
+  2. zeros above, ones below: the output on the last image row that must not see the
+     ones is exactly 0;
   3. NaN isolation: non-finite outputs when the inputs only masked taps reach are inf;
   4-5. a 6-layer PixelCNN checked at every pixel by the causality audit
      (maskconv_kernels.audit): the gradient from, and the pixels changed by NaN in,
      inputs at or after each pixel.
-Under its table the report says what each row measures and where the baseline leaks: on
+The table's exact column is what a convolution that never reads a masked tap gives (0).
+Under it the report says what each experiment measures and where the baseline leaks: on
 NVIDIA GPUs under cuDNN's Winograd and FFT algorithms (gradients and shifted outputs of
 about 1e-7), and on every device through 0 * inf = NaN.
 

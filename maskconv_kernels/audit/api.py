@@ -10,7 +10,7 @@ import numpy as np
 
 from .blackbox import blackbox_check
 from .gradient import gradient_check, gradient_result
-from .order import Forbidden, describe_rule, name_of, rank_units, sample_units
+from .order import Forbidden, describe_rule, name_of, rank_units, resolve_include_current, sample_units
 from .report import CHECKS, CausalityError, CausalityReport, device_text
 from .units import Layout, single_leaf
 
@@ -52,7 +52,7 @@ def audit_causal(
     *,
     order: str | np.ndarray = "raster",
     visible: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-    include_current: bool = False,
+    include_current: bool | None = None,
     sub_pixels: int = 1,
     position_axes: Sequence[int] | None = None,
     positions: None | str | int | Sequence[Sequence[int]] = None,
@@ -77,9 +77,14 @@ def audit_causal(
         ``(S, 1, d)`` and ``q`` of shape ``(1, Q, d)`` (``d`` = position dims, plus one
         for the sub-pixel when ``sub_pixels > 1``); must broadcast. "First" then means
         first in raster order.
-      include_current: with an order, whether output ``p`` may see input ``p`` itself
-        (False: PixelCNN logits predict their own pixel; True: a causal layer or a
-        causal-attention block, which sees the current token).
+      include_current: with an order, whether output ``p`` may see input ``p`` itself.
+        ``False``: the PixelCNN rule (its logits at ``p`` predict ``x_p``); ``True``: a
+        causal layer, causal attention or a next-token model, which reads the current
+        position. ``None`` (the default): learned from the model's ops of this library
+        (:func:`~maskconv_kernels.audit.order.learn_include_current`): ``False`` if it
+        calls ``masked_conv`` with a masked tap, else ``True`` if it calls
+        ``causal_conv1d`` or ``causal_conv``, else ``False``. The report's rule line says
+        which value was applied and why; pass it to pin the rule.
       sub_pixels: split the last axis of ``x`` and ``y`` into this many contiguous
         groups ordered after the pixel (3: R, G, B).
       position_axes: the axes of ``x`` (and ``y``) that index positions; default
@@ -106,14 +111,16 @@ def audit_causal(
     start = time.perf_counter()
     x = jnp.asarray(x)
     layout = Layout.make(x, position_axes, sub_pixels)
-    y_struct = jax.eval_shape(lambda v: single_leaf(f(v)), x)
+    # One trace (what jax.eval_shape would do): the output's shape, and the ops the model calls.
+    closed, y_struct = jax.make_jaxpr(lambda v: single_leaf(f(v)), return_shape=True)(x)
     layout.check_output(y_struct)
-    if visible is not None and (include_current or not (isinstance(order, str) and order == "raster")):
+    if visible is not None and not (isinstance(order, str) and order == "raster"):
         raise ValueError("visible replaces order and include_current: pass either a predicate or an order "
                          "(with include_current), not both")
+    include_current, source = resolve_include_current(include_current, visible, closed.jaxpr)
     ranks = rank_units(order, layout, visible)
-    rule = describe_rule(order, visible, include_current, layout)
-    forbidden = Forbidden(layout, ranks, visible, include_current)
+    rule = describe_rule(order, visible, include_current, layout, source)
+    forbidden = Forbidden(layout, ranks, visible, bool(include_current))
     checks = _checks(checks, x.dtype, y_struct.dtype)
     if "gradient" not in checks and method != "auto":
         raise ValueError(f"method={method!r} is how gradients are taken, but checks={checks} has no gradient check")
@@ -143,6 +150,7 @@ def audit_causal(
         positions=layout.positions,
         sub_pixels=layout.groups,
         rule=rule,
+        include_current=include_current,
         audited=units,
         sample=sample,
         method=method_text,
@@ -155,8 +163,10 @@ def audit_causal(
 def assert_causal(f: Callable[[jax.Array], Any], x: Any, **kwargs) -> CausalityReport:
     """:func:`audit_causal`, raising :class:`CausalityError` (an ``AssertionError``) on any leak.
 
-    The error's message is the report's table, with the first and the worst offending
-    ``(output, input)`` pairs named. Returns the report when the audit passes.
+    The error's message is the report: the rule applied (with the ``include_current``
+    value and where it came from), the table, the first offending ``(output p, input q)``
+    pair with why the rule forbids it and the argument that changes the rule, and the
+    worst pairs. Returns the report when the audit passes.
     """
     report = audit_causal(f, x, **kwargs)
     if not report.passed:

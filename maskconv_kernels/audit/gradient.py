@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import leaks
+from .order import equations
 from .report import CheckResult, Offence
 from .units import chunk_length, padded, unit_function, unit_index
 
@@ -41,19 +42,8 @@ def _supports_forward(g, xu) -> bool:
         jaxpr = jax.make_jaxpr(g)(xu)
     except Exception:
         return False
-    return not _has_primitive(jaxpr.jaxpr, ("custom_vjp_call", "custom_vjp_call_jaxpr", "pure_callback"))
-
-
-def _has_primitive(jaxpr, names) -> bool:
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            return True
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns") and _has_primitive(inner, names):
-                    return True
-    return False
+    blocking = ("custom_vjp_call", "custom_vjp_call_jaxpr", "pure_callback")
+    return not any(eqn.primitive.name in blocking for eqn in equations(jaxpr.jaxpr))
 
 
 def gradient_check(f, x, layout, y_struct, units, method, chunk_size, rng):

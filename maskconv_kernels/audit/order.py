@@ -4,18 +4,25 @@ An order ranks the units (raster order over the position axes, or a given permut
 sub-pixels after their pixel); an output may see the inputs ranked before it (and itself
 with ``include_current``), or whatever a ``visible(p, q)`` predicate allows. The audited
 outputs are all of them up to :data:`DEFAULT_MAX_POSITIONS`, else a stated sample.
+
+Whether an output may read its own position depends on what the model is, not on its
+shapes: a PixelCNN's logits at ``p`` predict ``x_p`` (they must not read it), while a
+causal layer, causal attention or a next-token model reads its current position.
+:func:`learn_include_current` reads that from the ops of this library in the model's
+jaxpr, where it is unambiguous (:func:`resolve_include_current` says which).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import numpy as np
 
 from .units import Layout, unit_indices
 
-__all__ = ["rank_units", "describe_rule", "Forbidden", "sample_units", "name_of", "DEFAULT_MAX_POSITIONS",
-           "DEFAULT_SAMPLE"]
+__all__ = ["rank_units", "describe_rule", "resolve_include_current", "learn_include_current", "equations",
+           "Forbidden", "sample_units", "name_of", "DEFAULT_MAX_POSITIONS", "DEFAULT_SAMPLE"]
 
 # By default every output is audited up to this many (a 32x32 image: 18-20 s for an
 # 8-layer, 64-channel PixelCNN on 2 loaded AMD EPYC cores), else a sample of DEFAULT_SAMPLE.
@@ -41,12 +48,97 @@ def rank_units(order, layout: Layout, visible) -> np.ndarray:
     return (pos_rank[:, None] * layout.groups + np.arange(layout.groups)).reshape(-1)
 
 
-def describe_rule(order, visible, include_current: bool, layout: Layout) -> str:
+def describe_rule(order, visible, include_current: bool, layout: Layout, source: str = "") -> str:
+    """The rule in words; ``source`` says where ``include_current`` came from (given, learned, the default)."""
     if visible is not None:
         return f"output p sees input q iff {name_of(visible)}(p, q)"
     what = "raster order" if isinstance(order, str) else "the given order"
     sub = f", {layout.groups} sub-pixels after each position" if layout.groups > 1 else ""
-    return f"{what}{sub}: output p sees inputs strictly before p" + (" and p itself" if include_current else "")
+    sees = "strictly before p and p itself" if include_current else "strictly before p"
+    return f"{what}{sub}: output p sees inputs {sees} (include_current={include_current}, {source or 'given'})"
+
+
+# Primitives of this library's ops, as they appear in a model's jaxpr; causal_conv runs
+# masked_conv (every tap active) under a name scope of its own (ops.causal_conv.api.SCOPE).
+_MASKED_CONV = ("masked_conv", "masked_conv_spmd")
+_CAUSAL_CONV1D = "causal_conv1d_"
+_CAUSAL_CONV_SCOPE = re.compile(r"(^|[/(])causal_conv([)/]|$)")
+
+
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations (jit, scan, cond, custom rules)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
+def learn_include_current(jaxpr) -> tuple[bool, str]:
+    """Whether output ``p`` may read input ``p``, from the ops of this library that ``jaxpr`` calls.
+
+    A ``masked_conv`` with a masked tap makes it a masked (PixelCNN-style) model, whose
+    outputs at ``p`` predict ``x_p``: ``False``, whatever else it calls, so a type-B mask
+    where type A belongs is still caught. Otherwise ``causal_conv1d`` or ``causal_conv``
+    (its ``masked_conv`` with every tap active, under the ``causal_conv`` name scope)
+    make it a causal model, which reads its current position: ``True``. With neither,
+    ``False``, the stricter rule, so an unknown model is never let off: a plain unmasked
+    ``masked_conv`` proves nothing (a PixelCNN++-style shifted convolution is one, and
+    its missing shift must be caught); the report names ``include_current=True`` when
+    the current position is all that fails. Read from the jaxpr, the model is traced once
+    (as ``jax.eval_shape`` would) and nothing runs; jitted functions, ``scan`` bodies and
+    Flax or Equinox modules are read through.
+
+    Returns:
+      ``(include_current, why)``, ``why`` in words for the report's rule line.
+    """
+    masked = causal = False
+    called = []
+    for eqn in equations(jaxpr):
+        name = eqn.primitive.name
+        if name in _MASKED_CONV:
+            bits = getattr(getattr(getattr(eqn.params.get("call"), "spec", None), "mask", None), "bits", None)
+            if bits is None:
+                continue
+            if not np.all(bits):
+                masked = True
+            elif _CAUSAL_CONV_SCOPE.search(str(getattr(eqn.source_info, "name_stack", ""))):
+                causal = True
+                _add(called, "causal_conv")
+        elif name.startswith(_CAUSAL_CONV1D):
+            causal = True
+            _add(called, "causal_conv1d")
+    if masked:
+        return False, ("learned from the model, which calls masked_conv with masked taps: the PixelCNN rule, "
+                       "its outputs at p predict x_p")
+    if causal:
+        return True, f"learned from the model, which calls {' and '.join(called)}: a causal layer reads position p"
+    return False, "the default: the model calls no op of this library to learn from"
+
+
+def resolve_include_current(include_current, visible, jaxpr) -> tuple[bool | None, str]:
+    """``include_current`` as given, or learned from ``jaxpr`` when ``None``; and where it came from.
+
+    ``None`` with a ``visible`` predicate: the predicate is the whole rule.
+    """
+    if include_current is not None and not isinstance(include_current, (bool, np.bool_)):
+        raise TypeError("include_current must be True, False or None (learned from the model), "
+                        f"got {include_current!r}")
+    if visible is not None:
+        if include_current is not None:
+            raise ValueError("visible replaces order and include_current: pass either a predicate or an order "
+                             "(with include_current), not both")
+        return None, "the predicate"
+    if include_current is None:
+        return learn_include_current(jaxpr)
+    return bool(include_current), "given"
+
+
+def _add(items: list, item: str) -> None:
+    if item not in items:
+        items.append(item)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import textwrap
 from typing import Sequence
 
 import jax
@@ -104,7 +105,10 @@ class CausalityReport:
       input_shape, input_dtype, output_shape, output_dtype: of ``x`` and ``f(x)``.
       positions: the shape of the position grid (e.g. ``(H, W)``).
       sub_pixels: groups per position (3 for R, G, B).
-      rule: the causality rule in words.
+      rule: the causality rule in words, with the ``include_current`` value applied and
+        where it came from (given, learned from the model, or the default).
+      include_current: whether an output could see its own position (``None``: the rule
+        was a ``visible`` predicate).
       audited: int ``(S,)``: flat output units audited (unit = position * sub_pixels +
         sub-pixel), in the order.
       sample: how they were chosen, in words ("all 64 output positions", or a sample).
@@ -122,6 +126,7 @@ class CausalityReport:
     positions: tuple[int, ...]
     sub_pixels: int
     rule: str
+    include_current: bool | None
     audited: np.ndarray
     sample: str
     method: str
@@ -142,12 +147,37 @@ class CausalityReport:
 
     @property
     def first(self) -> Offence | None:
-        """The first offending pair over all checks: the earliest failing output (gradient check preferred)."""
+        """The first offending pair over all checks, at the earliest failing output (gradient check preferred)."""
         found = [c.first for c in self.checks if c.first is not None]
         if not found:
             return None
         rank = {int(u): i for i, u in enumerate(self.audited)}
         return min(found, key=lambda o: (rank[self.unit(o.output)], o.input is None))
+
+    def explanation(self) -> str:
+        """Why the first offending pair breaks the rule, and the argument that changes the rule ("" if passed).
+
+        An output reading its own position is a leak only under ``include_current=False``
+        (a PixelCNN's logits at ``p`` predict ``x_p``); a causal layer reads it. That is
+        the failure a correct model meets under the wrong rule, so it names the flag; an
+        input after ``p`` is a leak under either value.
+        """
+        o = self.first
+        if o is None:
+            return ""
+        p = _fmt_index(o.output)
+        if o.input is None:
+            return (f"output p = {p} changed when the inputs it must not see changed, though no single one of "
+                    "them changed it alone.")
+        pair = f"output p = {p} reads input q = {_fmt_index(o.input)}"
+        if self.include_current is None:
+            return f"{pair}, which the visible(p, q) predicate forbids: a leak, unless the predicate is too strict."
+        if tuple(o.input) == tuple(o.output) and not self.include_current:
+            return (f"{pair}, its own position, which include_current=False forbids: a leak if the outputs at p "
+                    "predict x_p (PixelCNN logits). A causal layer, causal attention or a next-token model "
+                    "may read position p: pass include_current=True.")
+        return (f"{pair}, which comes after p in the order: a leak under either value of include_current "
+                "(order= or visible= state another order).")
 
     def unit(self, index: Sequence[int]) -> int:
         """Flat unit of an output index ``(*position, [sub-pixel])``."""
@@ -176,6 +206,8 @@ class CausalityReport:
             "positions": list(self.positions),
             "sub_pixels": self.sub_pixels,
             "rule": self.rule,
+            "include_current": self.include_current,
+            "explanation": self.explanation(),
             "sample": self.sample,
             "method": self.method,
             "device": self.device,
@@ -229,6 +261,10 @@ class CausalityReport:
             lines.append("  " + " | ".join(s.ljust(w) for s, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  " + "-+-".join("-" * w for w in widths))
+        if not self.passed:
+            lines.append("")
+            lines += textwrap.wrap(f"first leak: {self.explanation()}", 100, initial_indent="  ",
+                                   subsequent_indent="    ")
         for c in self.checks:
             if c.worst:
                 lines.append("")

@@ -3,7 +3,7 @@
 Flax's convention (``nn.MultiHeadDotProductAttention(decode=True)``,
 ``nnx.MultiHeadAttention.init_cache``): the cache is allocated from a full-size input,
 then every call consumes one position. Here the cache holds what
-:mod:`maskconv_kernels.decode` needs for the layer (``cached_input``, sized from the
+:mod:`maskconv_kernels.ops.masked_conv.decode` needs for the layer (``cached_input``, sized from the
 mask's active taps) and the number of positions consumed so far (``cache_index``,
 in raster order). Each call takes the input at one position and returns the layer's
 output there:
@@ -43,7 +43,7 @@ def decode_spec(
     kernel_dilation,
     feature_group_count: int,
 ) -> decode.DecodeSpec:
-    """The layer's :class:`maskconv_kernels.decode.DecodeSpec`, from the module's fields."""
+    """The layer's :class:`maskconv_kernels.ops.masked_conv.decode.DecodeSpec`, from the module's fields."""
     window = tuple(kernel_shape[:-2])
     ndim = len(window)
     if mask is None:
@@ -52,8 +52,8 @@ def decode_spec(
     if mask.partial_taps:
         raise NotImplementedError(
             "decode=True does not support channel-partial (R/G/B) masks in the Flax modules: sub-pixel steps "
-            "exist in the functional API, maskconv_kernels.decode.make_decode_spec(mask, spatial, "
-            "channel_groups=G), which takes this module's kernel and bias"
+            "exist in the functional API, maskconv_kernels.ops.masked_conv.decode.make_decode_spec(mask, "
+            "spatial, channel_groups=G), which takes this module's kernel and bias"
         )
     if any(d != 1 for d in _per_dim(input_dilation, ndim)):
         raise NotImplementedError(f"decode=True supports input_dilation=1 only, got {input_dilation!r}")

@@ -12,7 +12,7 @@ convolution mixes neighbouring windows. This module calls
 :func:`maskconv_kernels.masked_conv`, which never reads a masked tap.
 
 ``ShortConv``: the short causal convolution of Mamba / gated DeltaNet layers
-(:func:`maskconv_kernels.short_conv.causal_conv1d`), with ``decode=True`` for serving.
+(:func:`maskconv_kernels.causal_conv1d`), with ``decode=True`` for serving.
 
 ``CausalConv``: ``nn.Conv``'s parameters as a causal convolution over time
 (:func:`maskconv_kernels.causal_conv`) for video and audio tokenizers, with
@@ -84,7 +84,7 @@ class Conv(nn.Module):
         :data:`maskconv_kernels.IMPLEMENTATIONS`.
       decode: autoregressive decoding, as ``nn.MultiHeadDotProductAttention(decode=True)``:
         ``init`` with a full-size input allocates a ``"cache"`` collection (sized from the
-        mask's active taps; see :mod:`maskconv_kernels.decode`), then each
+        mask's active taps; see :mod:`maskconv_kernels.ops.masked_conv.decode`), then each
         ``apply(..., mutable=["cache"])`` consumes one position in raster order: an input
         ``(N, 1, 1, C_in)`` (one pixel; ``(N, 1, C_in)`` in 1-D) or ``(N, 1, W, C_in)`` (one
         row) gives the output there. Stride 1 only.
@@ -207,7 +207,7 @@ MaskedConv = Conv
 class ShortConv(nn.Module):
     """The short causal convolution of Mamba / Mamba-2 / gated DeltaNet layers, as a module.
 
-    :func:`maskconv_kernels.short_conv.causal_conv1d` with its parameters.
+    :func:`maskconv_kernels.causal_conv1d` with its parameters.
 
     Parameters as those layers hold them: ``weight`` ``(kernel_size, D)`` and ``bias``
     ``(D,)``, initialised as PyTorch's ``Conv1d(D, D, kernel_size, groups=D)``
@@ -240,7 +240,7 @@ class ShortConv(nn.Module):
         (``(N, (kernel_size - 1) * dilation, D)``, zeros), then each ``apply(...,
         mutable=["cache"])`` consumes one or several tokens ``(N, T, D)`` (or, with
         ``state_indices``, ``(B, T, D)`` for ``B`` of the ``N`` slots) and returns their
-        outputs, through :func:`maskconv_kernels.short_conv.causal_conv1d_update`.
+        outputs, through :func:`maskconv_kernels.causal_conv1d_update`.
     """
 
     kernel_size: int

@@ -72,7 +72,7 @@ class Conv(nnx.Module):
         :data:`maskconv_kernels.IMPLEMENTATIONS`.
       decode: autoregressive decoding, as ``nnx.MultiHeadAttention(decode=True)``:
         :meth:`init_cache` with a full-size input shape allocates ``nnx.Cache`` state (sized
-        from the mask's active taps; see :mod:`maskconv_kernels.decode`), then each call
+        from the mask's active taps; see :mod:`maskconv_kernels.ops.masked_conv.decode`), then each call
         consumes one position in raster order: ``(N, 1, 1, in_features)`` (one pixel;
         ``(N, 1, in_features)`` in 1-D) or ``(N, 1, W, in_features)`` (one row). Stride 1.
       decode_shift: in decode mode, the input given at position ``p`` is the one at
@@ -244,7 +244,7 @@ MaskedConv = Conv
 class ShortConv(nnx.Module):
     """The short causal convolution of Mamba / Mamba-2 / gated DeltaNet layers, as a module.
 
-    :func:`maskconv_kernels.short_conv.causal_conv1d` with its parameters.
+    :func:`maskconv_kernels.causal_conv1d` with its parameters.
 
     ``nnx.Param`` state ``weight`` ``(kernel_size, features)`` and ``bias``
     ``(features,)``, initialised as PyTorch's ``Conv1d(features, features, kernel_size,
@@ -267,7 +267,7 @@ class ShortConv(nnx.Module):
       decode: Flax's decode convention (as ``MaskedConv(decode=True)``): :meth:`init_cache`
         allocates ``conv_state`` (an ``nnx.Cache``), then each call consumes one or several
         tokens ``(N, T, features)`` through
-        :func:`maskconv_kernels.short_conv.causal_conv1d_update`.
+        :func:`maskconv_kernels.causal_conv1d_update`.
     """
 
     def __init__(

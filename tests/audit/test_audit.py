@@ -26,6 +26,8 @@ from support.tiers import tiered
 from flax import nnx
 
 import maskconv_kernels as mk
+import maskconv_kernels.flax as mk_flax
+from maskconv_kernels.audit.order import learn_include_current
 from maskconv_kernels.flax import MaskedConv
 from maskconv_kernels.flax import nnx as mk_nnx
 
@@ -280,6 +282,88 @@ def test_include_current_is_part_of_the_rule():
     strict = mk.audit_causal(lambda x: causal_conv1d(x, leaky=False), SEQ(), checks=("gradient",))
     assert (strict.first.output, strict.first.input) == ((0,), (0,))
     assert strict.check("gradient").failing.all()
+
+
+# ---------------------------------------------------------------------------------------
+# The rule per op: whether an output may read its own position
+
+
+def _learned(f, x):
+    """``learn_include_current`` on ``f``'s jaxpr at ``x``: (value, why)."""
+    return learn_include_current(jax.make_jaxpr(f)(x).jaxpr)
+
+
+def test_rule_is_learned_from_the_ops_the_model_calls():
+    """Sequence and time ops read their current position; a masked_conv with masked taps is
+    a PixelCNN (outputs predict x_p), whatever else the model calls; no op of ours: strict."""
+    w = _normal(30, (4, C))
+    seq = lambda x: mk.causal_conv1d(x, w, activation="silu")  # noqa: E731
+    value, why = _learned(seq, SEQ())
+    assert value is True and "causal_conv1d" in why
+    # Read through jit and scan (a stack of layers), as through a Flax or Equinox module.
+    stacked = jax.jit(lambda x: jax.lax.scan(lambda h, _: (seq(h), None), x, None, length=2)[0])
+    assert _learned(stacked, SEQ())[0] is True
+    video = lambda v: mk.causal_conv(v, _normal(31, (2, 3, 3, 2, 2)))  # noqa: E731
+    assert _learned(video, _normal(32, (1, 4, 5, 5, 2))) == (
+        True, "learned from the model, which calls causal_conv: a causal layer reads position p")
+    # The same convolution by hand (masked_conv, every tap active, the past padded) proves
+    # nothing: a PixelCNN++-style shifted convolution is one too, and must not read x_p.
+    by_hand = lambda v: mk.masked_conv(v, _normal(31, (2, 3, 3, 2, 2)), None, padding=((1, 0), (1, 1), (1, 1)))  # noqa: E731
+    assert _learned(by_hand, _normal(32, (1, 4, 5, 5, 2)))[0] is False
+    # A type-B mask where type A belongs must not turn the rule lenient: masked taps decide.
+    value, why = _learned(make_pixelcnn("B"), IMG())
+    assert value is False and "PixelCNN" in why
+    both = lambda x: mk.causal_conv1d(make_pixelcnn("B")(x)[:, 0], _normal(33, (3, 4)))  # noqa: E731
+    assert _learned(both, IMG())[0] is False
+    assert _learned(attention, SEQ()) == (False, "the default: the model calls no op of this library to learn from")
+
+
+def test_default_passes_a_causal_sequence_model():
+    """The README's audit of a causal_conv1d model, as written: no include_current needed."""
+    w, ids = _normal(34, (4, C)), jnp.repeat(jnp.array([[0, 1, 2]]), L // 3, axis=1)
+
+    def block(x):
+        return x + mk.causal_conv1d(x, w, segment_ids=ids, activation="silu")
+
+    report = mk.assert_causal(block, SEQ())
+    assert report.include_current is True and report.check("gradient").value.max() == 0.0
+    assert "(include_current=True, learned from the model, which calls causal_conv1d" in report.rule
+    assert json.loads(report.to_json())["include_current"] is True
+    # The Flax module too (it calls causal_conv1d), through as_function.
+    layer = mk_flax.ShortConv(kernel_size=4, activation="silu")
+    mk.assert_causal(mk.as_function(layer, _linen_variables(layer, SEQ())), SEQ())
+
+
+def test_failing_message_names_the_pair_the_rule_and_the_flag():
+    """A correct causal layer under the PixelCNN rule: the message says why, and what to pass."""
+    w = _normal(35, (4, C))
+    with pytest.raises(mk.CausalityError) as info:
+        mk.assert_causal(lambda x: mk.causal_conv1d(x, w), SEQ(), include_current=False, checks=("gradient",))
+    text = " ".join(str(info.value).split())
+    assert "rule: raster order: output p sees inputs strictly before p (include_current=False, given)" in text
+    assert ("first leak: output p = (0,) reads input q = (0,), its own position, which include_current=False "
+            "forbids") in text
+    assert "pass include_current=True" in text
+    assert info.value.report.explanation() in text
+    # An input after p is a leak under either rule: the message says so, and names no flag to pass.
+    leaky = mk.audit_causal(causal_conv1d, SEQ(), include_current=True, checks=("gradient",))
+    why = leaky.explanation()
+    assert why.startswith("output p = (0,) reads input q = (1,), which comes after p in the order")
+    assert "pass include_current" not in why and why in " ".join(str(leaky).split())
+    assert mk.audit_causal(causal_conv1d, SEQ(), include_current=True, checks=("gradient",), positions=[(L - 1,)]
+                           ).explanation() == ""  # the last position has no future: it passes
+
+
+def test_pixelcnn_type_b_first_layer_is_still_caught_by_default():
+    """The leak a lenient default would hide: type B in the first layer, each pixel's logits
+    reading the pixel they predict. Learned rule: strict, first pair (0, 0) <- (0, 0)."""
+    with pytest.raises(mk.CausalityError) as info:
+        mk.assert_causal(make_pixelcnn("B"), IMG(), checks=("gradient",))
+    report = info.value.report
+    assert report.include_current is False and "learned from the model" in report.rule
+    assert (report.first.output, report.first.input) == ((0, 0), (0, 0))
+    assert "output p = (0, 0) reads input q = (0, 0), its own position" in report.explanation()
+    mk.assert_causal(make_pixelcnn("A"), IMG(), checks=("gradient",))  # its fixed twin passes, by default
 
 
 def _fmt(pair) -> str:
@@ -583,6 +667,10 @@ def test_errors_say_what_to_do():
         mk.as_function(nn.Dense(3))
     with pytest.raises(ValueError, match="either a predicate or an order"):
         mk.audit_causal(causal_conv1d, x, visible=lambda p, q: q < p, include_current=True)
+    with pytest.raises(ValueError, match="either a predicate or an order"):
+        mk.audit_causal(causal_conv1d, x, visible=lambda p, q: q < p, include_current=False)
+    with pytest.raises(TypeError, match=r"include_current must be True, False or None \(learned from the model\)"):
+        mk.audit_causal(causal_conv1d, x, include_current="yes")
     with pytest.raises(ValueError, match="no gradient check"):
         mk.audit_causal(causal_conv1d, x, checks=("nan",), method="forward")
     with pytest.raises(ValueError, match="black-box"):

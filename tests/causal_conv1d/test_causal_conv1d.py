@@ -20,7 +20,7 @@ from support.numerics import assert_close, random
 
 import maskconv_kernels as mk
 from maskconv_kernels.ops.causal_conv1d import backends
-from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_reference
 
 # XLA's Triton custom call, where Pallas' Triton lowering puts a kernel.
 TRITON_CALL = "__gpu$xla.gpu.triton"

@@ -23,16 +23,16 @@ from support.implementations import ON_GPU
 from support.lowering import cuda_lowering, with_ttir_passes
 from support.numerics import assert_close, random
 
-from maskconv_kernels.short_conv import causal_conv1d, causal_conv1d_reference
-from maskconv_kernels.hardware import COMPUTE_CAPABILITY
-from maskconv_kernels.ops.causal_conv1d.pallas_triton import KERNELS, BlockSizes
+from maskconv_kernels._core.hardware import COMPUTE_CAPABILITY
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_reference
+from maskconv_kernels.ops.causal_conv1d.pallas_triton import KERNELS, Config
 from maskconv_kernels.ops.causal_conv1d.state import final_state
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
 INTERPRET = not ON_GPU
 # Several position tiles, channel blocks and backward splits at test sizes.
-SMALL = BlockSizes(block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16,
-                   backward_splits=3)
+SMALL = Config(block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16,
+               backward_splits=3)
 
 
 def _ids(seed, batch, length):
@@ -137,7 +137,7 @@ def test_fused_kernels_match_the_oracles_over_the_grid(case):
 
 @pytest.mark.slow
 def test_default_tiles_match_the_oracles():
-    """One tile of positions and of channels, one split (BlockSizes.get_default at a small shape)."""
+    """One tile of positions and of channels, one split (Config.get_default at a small shape)."""
     _check((4, 20, 37, 1, True, "silu", F32, F32, True, True), config=None, batch=1)
 
 
@@ -276,7 +276,7 @@ def test_kernels_compile_for_sm90_to_vector_loads_without_spills(dtype, monkeypa
     with cuda_lowering():
         jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).trace(x, w, b, state, ids).lower(
             lowering_platforms=("cuda",))
-    blocks = BlockSizes.get_default(length, dim)
+    blocks = Config.get_default(length, dim)
     warps = {name: blocks.tile(backward=name != KERNELS[0])[2] for name in KERNELS}
     assert len(modules) == len(KERNELS), len(modules)
     for module in modules:
@@ -313,7 +313,8 @@ def test_derivatives_of_every_order_match_the_xla_implementation():
     def conv(implementation):
         return lambda x, w, b, state: causal_conv1d(
             x, w, b, segment_ids=ids, initial_state=state, activation="silu", dilation=2,
-            implementation=implementation, interpret=INTERPRET, config=SMALL if implementation != "xla" else None)
+            implementation=implementation, interpret=INTERPRET and implementation != "xla",
+            config=SMALL if implementation != "xla" else None)
 
     fused, xla = conv("pallas_triton"), conv("xla")
     args = (x, w, b, state)
@@ -362,18 +363,18 @@ def test_vmap_over_examples_folds_into_the_batch():
 )
 def test_block_sizes_are_validated(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
-        BlockSizes(**{field: value})
+        Config(**{field: value})
 
 
 def test_block_sizes_default_to_the_problem_and_splits_fill_the_sms():
-    assert BlockSizes.get_default(length=1, dim=5) == BlockSizes(
+    assert Config.get_default(length=1, dim=5) == Config(
         block_positions=16, block_channels=16, backward_block_positions=16, backward_block_channels=16)
-    assert BlockSizes.get_default(length=8192, dim=4096) == BlockSizes()
-    blocks = BlockSizes()
+    assert Config.get_default(length=8192, dim=4096) == Config()
+    blocks = Config()
     # 32 channel blocks x 17 splits fill 132 SMs four times; each split a whole number of tiles.
     assert blocks.splits(32, 1024) == 17
     assert blocks.splits(32, 2) == 2 and blocks.splits(1, 7) == 7
-    assert BlockSizes(backward_splits=1).splits(32, 1024) == 1
+    assert Config(backward_splits=1).splits(32, 1024) == 1
     with pytest.raises(TypeError, match=r"pallas_triton\.config\.Config"):
         causal_conv1d(jnp.ones((1, 4, 8)), jnp.ones((2, 8)), implementation="pallas_triton", interpret=True,
                       config=dict(block_positions=16))

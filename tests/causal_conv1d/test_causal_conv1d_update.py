@@ -22,7 +22,7 @@ from support.lowering import cuda_lowering
 from support.numerics import assert_close, random
 from support.tiers import tiered
 
-from maskconv_kernels.short_conv import (
+from maskconv_kernels.ops.causal_conv1d import (
     PAD_SLOT_ID,
     causal_conv1d,
     causal_conv1d_update,

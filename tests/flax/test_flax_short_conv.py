@@ -16,7 +16,7 @@ from flax import nnx
 
 from maskconv_kernels.flax import ShortConv
 from maskconv_kernels.flax import nnx as mk_nnx
-from maskconv_kernels.short_conv import PAD_SLOT_ID, causal_conv1d
+from maskconv_kernels.ops.causal_conv1d import PAD_SLOT_ID, causal_conv1d
 
 N, L, D, WIDTH = 2, 13, 256, 4
 BF16 = np.dtype(jnp.bfloat16)

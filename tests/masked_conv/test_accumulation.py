@@ -18,7 +18,7 @@ from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels.masks import as_mask
-from maskconv_kernels.reference import masked_conv_reference, masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference, masked_conv_reference_vjp
 
 HALF = [np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]
 

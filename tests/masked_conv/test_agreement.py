@@ -10,7 +10,7 @@ from support.cases import CASE_IDS, CASES
 from support.tiers import tiered
 
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.reference import masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
 
 
 def _inputs(case, dtype, seed=0):

@@ -10,13 +10,11 @@ from support.implementations import BACKENDS
 from support.numerics import assert_close, random
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends
-from maskconv_kernels.pallas import BlockSizes
-from maskconv_kernels.reference import masked_conv_reference
-from maskconv_kernels.spec import make_spec
-from maskconv_kernels.triton import Configs
-from maskconv_kernels.triton.config import Launch
-from maskconv_kernels.xla import XlaConfig
+from maskconv_kernels.ops.masked_conv import backends, pallas_triton, xla
+from maskconv_kernels.ops.masked_conv import triton as mk_triton
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference
+from maskconv_kernels.ops.masked_conv.spec import make_spec
+from maskconv_kernels.ops.masked_conv.triton.config import Launch
 
 MASK = mk.pixelcnn_mask((3, 3), "B")
 
@@ -43,8 +41,8 @@ def test_the_shared_suite_runs_every_backend_the_registry_has_here():
 
 @pytest.mark.parametrize(
     "implementation, config, expected",
-    [("xla", BlockSizes(), "xla.conv.Config"), ("pallas_triton", XlaConfig(), "pallas_triton.config.Config"),
-     ("triton", BlockSizes(), "triton.config.Config")],
+    [("xla", pallas_triton.Config(), "xla.conv.Config"), ("pallas_triton", xla.Config(), "pallas_triton.config.Config"),
+     ("triton", pallas_triton.Config(), "triton.config.Config")],
 )
 def test_a_config_of_another_backend_is_refused_naming_the_right_type(implementation, config, expected):
     x, k = random(0, (1, 4, 4, 2)), random(1, (3, 3, 2, 2))
@@ -54,14 +52,14 @@ def test_a_config_of_another_backend_is_refused_naming_the_right_type(implementa
 
 def test_configs_are_validated_when_built():
     with pytest.raises(ValueError, match="strategy"):
-        XlaConfig("winograd")
+        xla.Config("winograd")
     with pytest.raises(TypeError, match="Config.fwd must be a Launch"):
-        Configs(fwd=(64, 64, 32))
+        mk_triton.Config(fwd=(64, 64, 32))
 
 
 def test_xla_strategies_agree():
     x, k = random(0, (2, 6, 7, 3)), random(1, (3, 3, 3, 4))
-    conv = lambda s: mk.masked_conv(x, k, MASK, implementation="xla", config=XlaConfig(s), precision="highest")
+    conv = lambda s: mk.masked_conv(x, k, MASK, implementation="xla", config=xla.Config(s), precision="highest")
     for strategy in ("conv", "matmul"):
         _assert_matches_reference(conv(strategy), x, k)
 
@@ -71,7 +69,8 @@ def test_a_pallas_tile_config_reaches_the_kernels():
     f = lambda blocks: jax.jit(
         lambda x, k: mk.masked_conv(x, k, MASK, implementation="pallas_triton", interpret=True, config=blocks)
     )
-    small, default = BlockSizes(16, 16, 16, 16), BlockSizes.get_default(make_spec(x, k, MASK), x.dtype)
+    small = pallas_triton.Config(16, 16, 16, 16)
+    default = pallas_triton.Config.get_default(make_spec(x, k, MASK), x.dtype)
     assert small != default
     assert f(small).lower(x, k).as_text() != f(default).lower(x, k).as_text()
     for blocks in (small, default):
@@ -80,7 +79,7 @@ def test_a_pallas_tile_config_reaches_the_kernels():
 
 @pytest.mark.skipif("triton_interpret" not in BACKENDS, reason="needs the triton package (pip install '.[triton]')")
 def test_a_triton_config_reaches_its_kernel(monkeypatch):
-    from maskconv_kernels.triton import ops
+    from maskconv_kernels.ops.masked_conv.triton import ops
 
     launched = []
     kernel_args = ops.kernel_args
@@ -88,7 +87,7 @@ def test_a_triton_config_reaches_its_kernel(monkeypatch):
     x, k = random(0, (1, 5, 6, 20)), random(1, (3, 3, 20, 20))
     conv = lambda c: mk.masked_conv(x, k, MASK, implementation="triton", interpret=True, config=c)
     mine = Launch(16, 16, 16, num_warps=2)
-    y = conv(Configs(fwd=mine))
+    y = conv(mk_triton.Config(fwd=mine))
     assert ("fwd", mine) in launched
     _assert_matches_reference(y, x, k)
     _assert_matches_reference(conv(None), x, k)

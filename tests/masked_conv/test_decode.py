@@ -16,7 +16,7 @@ from support.numerics import TOLERANCE, assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels import decode
+from maskconv_kernels.ops.masked_conv import decode
 
 
 def nan_cache(spec, batch, c_in, dtype=jnp.float32):

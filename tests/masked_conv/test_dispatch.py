@@ -19,9 +19,9 @@ from support.numerics import assert_close, random
 from jax import export
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends
-from maskconv_kernels.reference import masked_conv_reference
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv import backends, implementation_for
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 MASK = mk.pixelcnn_mask((3, 3), "B")
 PALLAS_KERNELS = ("maskconv_fwd", "maskconv_bwd_input", "maskconv_bwd_weight")
@@ -111,6 +111,6 @@ def test_a_gpu_backend_lowered_for_cpu_names_the_platform_and_the_interpret_hint
 def test_implementation_for_names_the_choice_per_platform():
     x, k = _xk()
     spec = make_spec(x, k, MASK)
-    assert mk.api.implementation_for(spec, "cpu") == "xla"
-    assert mk.api.implementation_for(spec, "cuda") == "pallas_triton"
-    assert mk.api.implementation_for(spec, "tpu") == "xla"
+    assert implementation_for(spec, "cpu") == "xla"
+    assert implementation_for(spec, "cuda") == "pallas_triton"
+    assert implementation_for(spec, "tpu") == "xla"

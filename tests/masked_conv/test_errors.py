@@ -9,8 +9,8 @@ import pytest
 from support.implementations import suite_dtype
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv import backends
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 X = jnp.ones((1, 8, 8, 4))
 K = jnp.ones((3, 3, 4, 6))

@@ -15,7 +15,7 @@ from support.lax_oracle import dense_mask, lax_conv64, lax_dimension_numbers
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 
 def _input_pixel(spec, out_index, tap):

@@ -16,7 +16,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.reference import masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
 
 
 @st.composite

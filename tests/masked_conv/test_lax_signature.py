@@ -19,8 +19,8 @@ from support.lax_oracle import assert_matches_lax, dense_mask, lax_conv64
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv import backends
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 F32 = np.dtype("float32")
 # A 4x5 window with 11 of its 20 taps active, in raster order (a PixelCNN-like mask on

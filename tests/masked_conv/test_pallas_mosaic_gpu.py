@@ -16,10 +16,10 @@ import pytest
 from support.lowering import cuda_lowering
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends
-from maskconv_kernels.api import implementation_for
-from maskconv_kernels.problem import kernel_problem
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv import backends, implementation_for
+from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 _WHY = backends.get("pallas_mosaic_gpu").unsupported(
     make_spec(np.zeros((1, 4, 4, 2), jnp.bfloat16), np.zeros((3, 3, 2, 2), jnp.bfloat16), np.ones((3, 3))), None
@@ -27,8 +27,8 @@ _WHY = backends.get("pallas_mosaic_gpu").unsupported(
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
 
 if _WHY is None:
-    from maskconv_kernels.mosaic_gpu import Tiles, grid
-    from maskconv_kernels.mosaic_gpu.config import stages
+    from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu import Config, grid
+    from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.config import stages
 
 KERNELS = ("maskconv_mgpu_forward", "maskconv_mgpu_input_grad", "maskconv_mgpu_weight_grad")
 
@@ -55,7 +55,7 @@ def _kernel_modules(text: str) -> list[str]:
 def test_value_and_grad_lowers_for_cuda_to_three_tma_wgmma_kernels_and_no_convolution(name, specialized):
     x_shape, k_shape, mask, kw, dtype = LOWERING_CASES[name]
     config = dataclasses.replace(
-        Tiles.get_default(make_spec(np.zeros(x_shape, dtype), np.zeros(k_shape, dtype), mask, **kw)),
+        Config.get_default(make_spec(np.zeros(x_shape, dtype), np.zeros(k_shape, dtype), mask, **kw)),
         warp_specialized=specialized,
     )
     loss = lambda x, k: mk.masked_conv(
@@ -115,12 +115,12 @@ def test_a_config_reaches_the_kernels_and_gives_the_same_result():
         mk.masked_conv(x, k, mask, implementation="pallas_mosaic_gpu", interpret=True, config=config,
                        preferred_element_type=jnp.float32)
     )
-    small = Tiles(tile_pixels=64, tile_n=16, block_k=16, max_concurrent_steps=2)  # 2 N tiles, 2 K blocks per tap
+    small = Config(tile_pixels=64, tile_n=16, block_k=16, max_concurrent_steps=2)  # 2 N tiles, 2 K blocks per tap
     expected = mk.masked_conv_reference(x, k, mask)
     # Products of bfloat16 values are exact in float32; the sums of 5 taps x 20 channels
     # round by a few float32 ulps: the three pipelines agree with the reference as closely.
     bound = 2.0**-20 * np.sqrt(5 * 20) * np.abs(np.asarray(x, np.float32)).max() * np.abs(np.asarray(k, np.float32)).max()
-    for config in (small, None, Tiles(warp_specialized=False), dataclasses.replace(small, warp_specialized=False)):
+    for config in (small, None, Config(warp_specialized=False), dataclasses.replace(small, warp_specialized=False)):
         np.testing.assert_allclose(run(config), expected, rtol=0, atol=bound, err_msg=str(config))
 
 
@@ -132,11 +132,11 @@ def test_weight_gradient_tiles_agree_with_the_reference(c_in_tile):
     # A float32 cotangent is rounded to bfloat16 by the kernels: draw one that is exact there.
     dy = rng.standard_normal((2, 6, 9, 24)).astype(jnp.bfloat16).astype(np.float32)
     mask = mk.pixelcnn_mask((3, 3), "B")
-    config = Tiles(tile_n=16, weight_grad_c_in=c_in_tile, weight_grad_splits=3)
+    config = Config(tile_n=16, weight_grad_c_in=c_in_tile, weight_grad_splits=3)
     loss = lambda k: (mk.masked_conv(x, k, mask, implementation="pallas_mosaic_gpu", interpret=True, config=config,
                                      preferred_element_type=jnp.float32) * dy).sum()
     dk = np.asarray(jax.grad(loss)(k), np.float64)
-    _, expected = mk.reference.masked_conv_reference_vjp(x, k, mask, dy)
+    _, expected = masked_conv_reference_vjp(x, k, mask, dy)
     # dk is rounded to bfloat16 (the kernel's dtype): half an ulp of the largest entry, and
     # float32 sums of 108 pixels below that.
     np.testing.assert_allclose(dk, expected, rtol=0, atol=2.0**-8 * np.abs(expected).max())
@@ -201,46 +201,46 @@ def test_copies_put_each_tap_at_its_shift_and_zeros_past_the_output_width():
 )
 def test_tiles_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):
-        Tiles(**{field: value})
+        Config(**{field: value})
 
 
 def test_the_accumulator_must_fit_one_warpgroup():
     with pytest.raises(ValueError, match="registers"):
-        Tiles(tile_pixels=128, tile_n=256)
+        Config(tile_pixels=128, tile_n=256)
     with pytest.raises(ValueError, match="registers"):
-        Tiles(tile_pixels=64, tile_n=256, weight_grad_c_in=128)
+        Config(tile_pixels=64, tile_n=256, weight_grad_c_in=128)
 
 
 def test_tiles_are_frozen_hashable_and_fit_the_channels():
-    t = Tiles()
+    t = Config()
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.tile_n = 128
-    assert hash(t) == hash(Tiles())
+    assert hash(t) == hash(Config())
     spec = make_spec(np.zeros((1, 4, 4, 3), jnp.bfloat16), np.zeros((3, 3, 3, 5), jnp.bfloat16), np.ones((3, 3)))
-    assert Tiles.get_default(spec) == Tiles(tile_pixels=64, tile_n=16, block_k=16)
+    assert Config.get_default(spec) == Config(tile_pixels=64, tile_n=16, block_k=16)
 
 
 @pytest.mark.parametrize("programs,chunks", [(40, 640), (392, 128), (5, 96), (1, 7), (200, 1)])
 def test_weight_grad_splits_divide_the_reduction_and_fill_the_last_wave(programs, chunks):
-    from maskconv_kernels.hardware import SM_COUNT
-    from maskconv_kernels.mosaic_gpu.config import weight_grad_splits
+    from maskconv_kernels._core.hardware import SM_COUNT
+    from maskconv_kernels.ops.masked_conv.pallas_mosaic_gpu.config import weight_grad_splits
 
-    splits = weight_grad_splits(Tiles(), programs, chunks)
+    splits = weight_grad_splits(Config(), programs, chunks)
     assert chunks % splits == 0 and (splits == 1 or chunks // splits >= 8)
     time = lambda s: -(-programs * s // SM_COUNT) / s  # in units of one unsplit program
     others = [s for s in range(1, chunks + 1) if chunks % s == 0 and chunks // s >= 8 and s <= splits]
     assert all(time(splits) <= time(s) for s in others)
-    assert weight_grad_splits(Tiles(weight_grad_splits=1), programs, chunks) == 1
+    assert weight_grad_splits(Config(weight_grad_splits=1), programs, chunks) == 1
 
 
 def test_pipeline_stages_shrink_to_what_shared_memory_holds():
-    tiles = Tiles(tile_pixels=64, tile_n=256, block_k=64, max_concurrent_steps=8)
+    tiles = Config(tile_pixels=64, tile_n=256, block_k=64, max_concurrent_steps=8)
     # The weight gradient's step at these tiles: 128 pixels x (64 + 256) channels, bf16;
     # its epilogue a float32 64 x 256 tile.
     assert stages(tiles, 128 * 320 * 2, 64 * 256 * 4) == 2
     assert stages(tiles, 1024, 0) == 8
     x, k = jax.ShapeDtypeStruct((1, 64, 64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((3, 3, 256, 256), jnp.bfloat16)
-    config = Tiles(tile_pixels=64, tile_n=256, block_k=64, max_concurrent_steps=8)
+    config = Config(tile_pixels=64, tile_n=256, block_k=64, max_concurrent_steps=8)
     f = jax.grad(lambda k, x: mk.masked_conv(x, k, np.ones((3, 3)), implementation="pallas_mosaic_gpu",
                                              config=config).astype(jnp.float32).sum())
     with cuda_lowering():

@@ -16,14 +16,14 @@ from support.numerics import assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels import core, masked_conv_reference, pallas
-from maskconv_kernels.api import implementation_for
-from maskconv_kernels.pallas import BlockSizes
+from maskconv_kernels import masked_conv_reference
+from maskconv_kernels._core.hardware import COMPUTE_CAPABILITY
+from maskconv_kernels.ops.masked_conv import implementation_for, maps, pallas_triton
+from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
+from maskconv_kernels.ops.masked_conv.pallas_triton import Config
 from maskconv_kernels.ops.masked_conv.pallas_triton.config import KERNELS
-from maskconv_kernels.hardware import COMPUTE_CAPABILITY
-from maskconv_kernels.problem import kernel_problem
-from maskconv_kernels.reference import masked_conv_reference_vjp
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 KERNEL_NAMES = ("maskconv_fwd", "maskconv_bwd_input", "maskconv_bwd_weight")
 
@@ -64,13 +64,14 @@ def test_value_and_grad_lowers_for_cuda_to_three_kernels_and_no_convolution(name
 
 def _kernel_jaxprs_of(spec, dtype, platform="cuda") -> dict:
     """``{pallas_call name: kernel jaxpr}`` of the three kernels as the core lowers them for ``platform``."""
-    job = core.Job(spec, kernel_problem(spec), None, False, platform, np.dtype(dtype))
+    job = maps.Job(spec, kernel_problem(spec), None, False, platform, np.dtype(dtype))
     p, n = job.problem, 2
     x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
     y = jax.ShapeDtypeStruct(p.y_shape(n), spec.out_dtype)
     k = jax.ShapeDtypeStruct(p.kernel_shape(), dtype)
     found = {}
-    for fn, args in ((pallas.forward, (x, k)), (pallas.input_grad, (y, k)), (pallas.weight_grad, (x, y))):
+    kernels = ((pallas_triton.forward, (x, k)), (pallas_triton.input_grad, (y, k)), (pallas_triton.weight_grad, (x, y)))
+    for fn, args in kernels:
         found.update(_kernel_jaxprs(jax.make_jaxpr(lambda a, b: fn(a, b, job, np.dtype(dtype)))(*args).jaxpr))
     return found
 
@@ -165,7 +166,7 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     assert len(modules) == 3, len(modules)
     # The three kernels' default tiles launch alike in 16-bit, so one set of options compiles what runs.
     (launch,) = {(b.num_warps, b.num_stages) for b in
-                 (BlockSizes.get_default(spec, jnp.bfloat16, kernel) for kernel in KERNELS)}
+                 (Config.get_default(spec, jnp.bfloat16, kernel) for kernel in KERNELS)}
     # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
     if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
         monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", with_ttir_passes)
@@ -195,7 +196,7 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
         assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"kernel {i}: every wgmma is waited for at once"
 
 
-_SMALL_TILES = BlockSizes(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
+_SMALL_TILES = Config(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)
 TILE_CASES = {
     # 2 * 12 * 11 output pixels in blocks of 16 are 17 reduction blocks: the weight
     # gradient splits them into two ranges, whose partial sums are added afterwards.
@@ -254,10 +255,10 @@ def test_unsupported_problems_raise_naming_why_and_none_falls_back_to_xla(x_shap
 def test_needs_a_gpu_or_interpret_mode():
     x, k, mask = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
     spec = make_spec(x, k, mask)
-    assert "interpret=True" in pallas.unsupported(spec, "cpu", interpret=False)
-    assert pallas.unsupported(spec, "cpu", interpret=True) is None
-    assert pallas.unsupported(spec, "cuda", interpret=False) is None
-    assert "ROCm" in pallas.unsupported(spec, "rocm", interpret=False)
+    assert "interpret=True" in pallas_triton.unsupported(spec, "cpu", interpret=False)
+    assert pallas_triton.unsupported(spec, "cpu", interpret=True) is None
+    assert pallas_triton.unsupported(spec, "cuda", interpret=False) is None
+    assert "ROCm" in pallas_triton.unsupported(spec, "rocm", interpret=False)
     # implementation=None: Pallas where it runs, xla elsewhere.
     assert implementation_for(spec, platform="cpu") == "xla"
     assert implementation_for(spec, platform="cuda") == "pallas_triton"
@@ -266,13 +267,6 @@ def test_needs_a_gpu_or_interpret_mode():
     f = jax.jit(lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton"))
     with pytest.raises(NotImplementedError, match='lowered for platform "cpu".*interpret=True'):
         f.trace(x, k).lower(lowering_platforms=("cpu",))
-
-
-def test_old_name_pallas_still_works_with_a_deprecation_warning():
-    x, k, mask = random(0, (1, 4, 4, 2)), random(1, (3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
-    with pytest.warns(DeprecationWarning, match='"pallas_triton"'):
-        y = mk.masked_conv(x, k, mask, implementation="pallas", interpret=True)
-    np.testing.assert_array_equal(y, mk.masked_conv(x, k, mask, implementation="pallas_triton", interpret=True))
 
 
 # --------------------------------------------------------------------------- config
@@ -291,14 +285,14 @@ def test_old_name_pallas_still_works_with_a_deprecation_warning():
 )
 def test_block_sizes_are_validated(field, value, message):
     with pytest.raises((ValueError, TypeError), match=message):
-        BlockSizes(**{field: value})
+        Config(**{field: value})
 
 
 def test_block_sizes_are_frozen_and_hashable():
-    blocks = BlockSizes()
+    blocks = Config()
     with pytest.raises(AttributeError):
         blocks.block_pixels = 32  # type: ignore[misc]
-    assert hash(blocks) == hash(BlockSizes())
+    assert hash(blocks) == hash(Config())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -306,8 +300,8 @@ def test_block_sizes_are_frozen_and_hashable():
 @pytest.mark.parametrize("c", [1, 3, 130, 256])
 def test_default_block_sizes_fit_the_problem(c, dtype, kernel):
     x, k = jnp.ones((1, 8, 8, c), dtype), jnp.ones((3, 3, c, c), dtype)
-    blocks = BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), dtype, kernel)
-    assert blocks == BlockSizes(**vars(blocks))  # a valid config
+    blocks = Config.get_default(make_spec(x, k, np.ones((3, 3))), dtype, kernel)
+    assert blocks == Config(**vars(blocks))  # a valid config
     assert blocks.block_c_in <= max(16, 2 * c) and blocks.block_c_out <= max(16, 2 * c)
     if c <= 3:  # a tile shrunk to the channels gets 4 warps, not 8
         assert blocks.num_warps == 4
@@ -325,7 +319,7 @@ H200_BEST = {
 @pytest.mark.parametrize("dtype, kernel", list(H200_BEST), ids=[f"{d.__name__}-{k}" for d, k in H200_BEST])
 def test_default_tiles_at_the_headline_shape_are_the_measured_best(dtype, kernel):
     x, k = jnp.ones((64, 32, 32, 256), dtype), jnp.ones((7, 7, 256, 256), dtype)
-    b = BlockSizes.get_default(make_spec(x, k, mk.pixelcnn_mask((7, 7), "A")), dtype, kernel)
+    b = Config.get_default(make_spec(x, k, mk.pixelcnn_mask((7, 7), "A")), dtype, kernel)
     gemm = {"forward": (b.block_pixels, b.block_c_out, b.block_c_in),
             "input_grad": (b.block_pixels, b.block_c_in, b.block_c_out),
             "weight_grad": (b.block_c_in, b.block_c_out, b.block_pixels_reduce)}[kernel]
@@ -335,7 +329,7 @@ def test_default_tiles_at_the_headline_shape_are_the_measured_best(dtype, kernel
 def test_default_block_sizes_name_the_kernel():
     x, k = jnp.ones((1, 8, 8, 4)), jnp.ones((3, 3, 4, 4))
     with pytest.raises(ValueError, match="kernel must be one of"):
-        BlockSizes.get_default(make_spec(x, k, np.ones((3, 3))), jnp.float32, "backward")
+        Config.get_default(make_spec(x, k, np.ones((3, 3))), jnp.float32, "backward")
 
 
 def test_block_sizes_must_be_a_config():
@@ -344,4 +338,4 @@ def test_block_sizes_must_be_a_config():
         mk.masked_conv(x, k, np.ones((3, 3)), implementation="pallas_triton", interpret=True,
                        config={"block_pixels": 32})
     with pytest.raises(ValueError, match="implementation="):
-        mk.masked_conv(x, k, np.ones((3, 3)), config=BlockSizes())
+        mk.masked_conv(x, k, np.ones((3, 3)), config=Config())

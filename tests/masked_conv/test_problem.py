@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import maskconv_kernels as mk
-from maskconv_kernels.problem import kernel_problem, scatter_taps, sum_in_order
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem, scatter_taps, sum_in_order
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 
 def _spec(x_shape, k_shape, mask, **kw):

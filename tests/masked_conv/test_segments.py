@@ -17,10 +17,10 @@ from support.numerics import assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels.reference import masked_conv_reference, masked_conv_reference_vjp
-from maskconv_kernels.xla import XlaConfig
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference, masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv import xla
 
-STRATEGIES = {"conv": XlaConfig("conv"), "matmul": XlaConfig("matmul")}
+STRATEGIES = {"conv": xla.Config("conv"), "matmul": xla.Config("matmul")}
 
 
 def _ids(seed, shape, documents=3, padding=True):

@@ -14,7 +14,7 @@ import pytest
 from support.numerics import assert_close, assert_second_order_close, random, second_order
 
 import maskconv_kernels as mk
-from maskconv_kernels.reference import masked_conv_reference, masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference, masked_conv_reference_vjp
 
 # Every result is compared with the float64 reference under the suite's bound for the
 # backend's dtype (conftest.TOLERANCE, conv.dtype): two float32 programs (eager and jitted, batched and not) may

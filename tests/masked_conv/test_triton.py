@@ -25,10 +25,10 @@ from support.numerics import random  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 import maskconv_kernels as mk  # noqa: E402
-from maskconv_kernels import triton as mk_triton  # noqa: E402
-from maskconv_kernels.hardware import COMPUTE_CAPABILITY  # noqa: E402
-from maskconv_kernels.spec import make_spec  # noqa: E402
-from maskconv_kernels.triton import config, ops  # noqa: E402
+from maskconv_kernels._core.hardware import COMPUTE_CAPABILITY  # noqa: E402
+from maskconv_kernels.ops.masked_conv import triton as mk_triton  # noqa: E402
+from maskconv_kernels.ops.masked_conv.spec import make_spec  # noqa: E402
+from maskconv_kernels.ops.masked_conv.triton import config, ops  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(
@@ -177,8 +177,8 @@ def test_cpu_raises_not_implemented_with_reason():
 
 def test_core_package_imports_neither_triton_nor_jax_triton():
     code = (
-        "import sys, maskconv_kernels, maskconv_kernels.triton, maskconv_kernels.api as api; "
-        "api.implementation_for; "
+        "import sys, maskconv_kernels, maskconv_kernels.ops.masked_conv.triton; "
+        "maskconv_kernels.ops.masked_conv.implementation_for; "
         "print(sorted(m for m in ('triton', 'jax_triton') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

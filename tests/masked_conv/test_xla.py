@@ -20,10 +20,10 @@ from support.numerics import assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels import xla, xla_blocks
-from maskconv_kernels.reference import masked_conv_reference, masked_conv_reference_vjp
-from maskconv_kernels.spec import make_spec
-from maskconv_kernels.xla import XlaConfig
+from maskconv_kernels.ops.masked_conv import xla
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference, masked_conv_reference_vjp
+from maskconv_kernels.ops.masked_conv.spec import make_spec
+from maskconv_kernels.ops.masked_conv.xla import blocks as xla_blocks
 
 WIDTH = 5
 
@@ -42,7 +42,7 @@ def _box_masks():
 def _check(bits, padding, stride, dilation):
     x, k = random(0, (1, 3, 9, 2)), random(1, (1, WIDTH, 2, 3))
     kw = dict(padding=padding, strides=(1, stride), dilation=(1, dilation))
-    f = jax.jit(lambda x, k: mk.masked_conv(x, k, bits, implementation="xla", config=XlaConfig("conv"), **kw))
+    f = jax.jit(lambda x, k: mk.masked_conv(x, k, bits, implementation="xla", config=xla.Config("conv"), **kw))
     y, vjp = jax.vjp(f, x, k)
     dy = random(2, y.shape)
     dx, dk = jax.jit(vjp)(dy)
@@ -101,7 +101,7 @@ def _block_rows(case, block_bytes):
 def test_blocks_of_rows_match_reference(strategy, case, block_bytes):
     x = random(0, case.x_shape)
     k = random(1, case.kernel_shape, scale=1 / np.sqrt(np.prod(case.kernel_shape[:-1])))
-    config = XlaConfig(strategy, block_bytes=block_bytes)
+    config = xla.Config(strategy, block_bytes=block_bytes)
     f = jax.jit(lambda x, k: mk.masked_conv(x, k, case.mask, implementation="xla", config=config, **case.conv_args))
     y, vjp = jax.vjp(f, x, k)
     dy = random(2, y.shape)
@@ -126,7 +126,7 @@ def test_row_blocks_never_read_a_masked_tap(strategy, block_bytes):
     """NaN at every input the centre output reaches only through masked taps (or not at
     all): its value and its input gradient are bit-identical, on blocks of rows."""
     case = next(c for c in CASES if c.name == "2d_N2_H11_W7_C5_k3B")
-    config = XlaConfig(strategy, block_bytes=block_bytes)
+    config = xla.Config(strategy, block_bytes=block_bytes)
     x, k = random(3, case.x_shape), random(4, case.kernel_shape)
     spec = make_spec(x, k, case.mask)
     centre = tuple(o // 2 for o in spec.out_spatial)
@@ -156,13 +156,13 @@ MASK_3X3B = mk.pixelcnn_mask((3, 3), "B")
 def test_each_map_runs_its_own_strategy():
     # 3x3 type B: a 1x3 box (a convolution on the "conv" strategy) and a 1x2 box (an
     # im2col GEMM beside it), in each of the three maps; "gemm": GEMMs only.
-    assert _convolutions(XlaConfig("conv")) == 3
-    assert _convolutions(XlaConfig("gemm")) == 0
-    assert _convolutions(XlaConfig("gemm", weight_grad="conv")) == 1
-    assert _convolutions(XlaConfig("conv", forward="gemm", input_grad="matmul")) == 1
+    assert _convolutions(xla.Config("conv")) == 3
+    assert _convolutions(xla.Config("gemm")) == 0
+    assert _convolutions(xla.Config("gemm", weight_grad="conv")) == 1
+    assert _convolutions(xla.Config("conv", forward="gemm", input_grad="matmul")) == 1
     # "conv_blocks": a convolution per box in the forward and the input gradient, the
     # weight gradient's GEMMs.
-    assert _convolutions(XlaConfig("conv_blocks")) == 4
+    assert _convolutions(xla.Config("conv_blocks")) == 4
     # "auto" on CPU: "conv" (a convolution per map at 8 channels); from 128 x 128
     # channels the weight gradient's GEMMs.
     assert _convolutions(None) == 3
@@ -173,9 +173,9 @@ def test_each_map_runs_its_own_strategy():
 
 def test_blocked_strategies_fall_back_where_they_do_not_apply():
     # Feature groups: every map on CPU's other strategy, convolutions.
-    assert _convolutions(XlaConfig("gemm"), feature_group_count=2) == 3
+    assert _convolutions(xla.Config("gemm"), feature_group_count=2) == 3
     # Strides: the input gradient only.
-    assert _convolutions(XlaConfig("gemm"), strides=2) == 1
+    assert _convolutions(xla.Config("gemm"), strides=2) == 1
 
 
 @pytest.mark.parametrize("strategy", ["auto", "conv", "matmul", *BLOCKED])
@@ -183,7 +183,7 @@ def test_no_strategy_lowered_for_cuda_has_a_convolution(strategy):
     x, k = random(0, (2, 8, 9, 8)), random(1, (3, 3, 8, 8))
     for kw in ({}, {"strides": 2}, {"feature_group_count": 2}):
         kernel = k[..., : 8 // kw.get("feature_group_count", 1), :]
-        config = XlaConfig(strategy)
+        config = xla.Config(strategy)
         loss = lambda x, k: mk.masked_conv(x, k, MASK_3X3B, implementation="xla", config=config, **kw).sum()
         text = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(x, kernel).lower(lowering_platforms=("cuda",)).as_text()
         assert "stablehlo.convolution" not in text, kw
@@ -199,7 +199,7 @@ def test_blocked_extra_memory_is_less_than_x(strategy, which):
     x = jax.ShapeDtypeStruct((16, 32, 32, 64), np.float32)
     k = jax.ShapeDtypeStruct((7, 7, 64, 64), np.float32)
     mask = mk.pixelcnn_mask((7, 7), "A")
-    conv = lambda x, k: mk.masked_conv(x, k, mask, implementation="xla", config=XlaConfig(strategy))
+    conv = lambda x, k: mk.masked_conv(x, k, mask, implementation="xla", config=xla.Config(strategy))
     fn = {
         "forward": conv,
         "input_grad": lambda x, k: jax.vjp(lambda x: conv(x, k), x)[1](jnp.ones(x.shape))[0],
@@ -213,4 +213,4 @@ def test_xla_config_validates_every_field():
     for bad in ({"forward": "winograd"}, {"weight_grad": "auto "}, {"block_bytes": 0}, {"block_bytes": True},
                 {"block_bytes": 2.5}):
         with pytest.raises(ValueError, match=f"Config.{next(iter(bad))}"):
-            XlaConfig(**bad)
+            xla.Config(**bad)

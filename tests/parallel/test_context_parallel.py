@@ -1,7 +1,7 @@
 """Context parallelism: sequence-sharded ``causal_conv1d`` and segment ids through spatial sharding.
 
-:func:`spatial.sequence_sharded_causal_conv1d` against ``causal_conv1d`` on one device,
-and :func:`spatial.spatially_sharded_masked_conv` with ``segment_ids`` against
+:func:`parallel.sequence_sharded_causal_conv1d` against ``causal_conv1d`` on one device,
+and :func:`parallel.spatially_sharded_masked_conv` with ``segment_ids`` against
 ``masked_conv``, with packed documents that straddle the shard borders. The checks need
 8 devices: in an ordinary run, ``test_on_8_forced_cpu_devices`` runs this file in a fresh
 interpreter with 8 forced CPU devices (``conftest.run_on_forced_cpu_devices``).
@@ -37,8 +37,8 @@ from support.tiers import tiered
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import maskconv_kernels as mk
-from maskconv_kernels import spatial
-from maskconv_kernels.short_conv import causal_conv1d
+from maskconv_kernels import parallel
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
 SILU_SLOPE = 1.1  # max |silu'(z)| = 1.0998: a cotangent through SiLU grows by at most this
@@ -141,12 +141,12 @@ def test_sequence_sharded_equals_one_device(case_layout):
     ids = jnp.asarray(PACKED_TWICE if zigzag else PACKED) if segmented else None
     kw = dict(return_final_state=True, activation=activation, dilation=dilation)
     # Permuted on the host, as a data loader lays out a batch.
-    into = (lambda a: a) if not zigzag else (lambda a: None if a is None else spatial.to_zigzag(a, SHARDS))  # noqa: E731
-    back = (lambda a: a) if not zigzag else (lambda a: spatial.from_zigzag(np.asarray(a), SHARDS))  # noqa: E731
+    into = (lambda a: a) if not zigzag else (lambda a: None if a is None else parallel.to_zigzag(a, SHARDS))  # noqa: E731
+    back = (lambda a: a) if not zigzag else (lambda a: parallel.from_zigzag(np.asarray(a), SHARDS))  # noqa: E731
     ids_in_layout = into(ids)
 
     def sharded(x, w, b, state):
-        return spatial.sequence_sharded_causal_conv1d(
+        return parallel.sequence_sharded_causal_conv1d(
             x, w, b if bias else None, mesh=mesh, axis_name="seq", batch_axis="data", segment_ids=ids_in_layout,
             initial_state=state if stateful else None, layout=layout, **kw,
         )
@@ -200,7 +200,7 @@ def test_jit_with_named_sharding_inputs_compiles_without_all_gather():
     state = jax.device_put(state, NamedSharding(mesh, P("data")))
 
     def conv(x, w, b, state):
-        return spatial.sequence_sharded_causal_conv1d(
+        return parallel.sequence_sharded_causal_conv1d(
             x, w, b, mesh=mesh, axis_name="seq", batch_axis="data", segment_ids=ids, initial_state=state,
             return_final_state=True, activation="silu", dilation=2,
         )
@@ -254,7 +254,7 @@ def test_nan_in_later_shards_never_reaches_earlier_positions():
     # No activation: SiLU's derivative at a NaN is NaN, and a zero cotangent times it
     # would carry NaN back to the halo on one device as well.
     def conv(x, ids):
-        return spatial.sequence_sharded_causal_conv1d(
+        return parallel.sequence_sharded_causal_conv1d(
             x, w, b, mesh=mesh, axis_name="seq", segment_ids=ids, initial_state=state, dilation=dilation
         )
 
@@ -285,12 +285,12 @@ def test_nan_in_later_shards_never_reaches_earlier_positions():
 
 def test_to_zigzag_gives_device_i_chunks_i_and_2s_minus_1_minus_i_and_from_zigzag_undoes_it():
     x = np.arange(2 * 16 * 3).reshape(2, 16, 3)
-    z = np.asarray(spatial.to_zigzag(x, 2))  # 4 chunks of 4: 0, 3 | 1, 2
+    z = np.asarray(parallel.to_zigzag(x, 2))  # 4 chunks of 4: 0, 3 | 1, 2
     np.testing.assert_array_equal(z[:, :, 0] // 3 % 16, np.tile(np.r_[0:4, 12:16, 4:8, 8:12], (2, 1)))
-    np.testing.assert_array_equal(np.asarray(spatial.from_zigzag(z, 2)), x)
-    np.testing.assert_array_equal(np.asarray(spatial.from_zigzag(spatial.to_zigzag(x, 4, axis=-2), 4, axis=-2)), x)
+    np.testing.assert_array_equal(np.asarray(parallel.from_zigzag(z, 2)), x)
+    np.testing.assert_array_equal(np.asarray(parallel.from_zigzag(parallel.to_zigzag(x, 4, axis=-2), 4, axis=-2)), x)
     with pytest.raises(ValueError, match="multiple of 2 \\* shards = 6"):
-        spatial.to_zigzag(x, 3)
+        parallel.to_zigzag(x, 3)
 
 
 @needs_mesh
@@ -303,25 +303,25 @@ def test_zigzag_exchanges_halos_by_permutes_alone_and_no_nan_crosses_to_earlier_
     ids = jnp.asarray(np.stack([_runs((0, 10), (1, 17), (-1, 4), (2, 17)), _runs((5, 47), (6, 1))]))
 
     def conv(xz, idz):
-        return spatial.sequence_sharded_causal_conv1d(
+        return parallel.sequence_sharded_causal_conv1d(
             xz, w, b, mesh=mesh, axis_name="seq", segment_ids=idz, initial_state=state, dilation=dilation,
             layout="zigzag", return_final_state=True,
         )
 
     forward = jax.jit(conv)
-    text = forward.lower(spatial.to_zigzag(x, SHARDS), spatial.to_zigzag(ids, SHARDS)).compile().as_text()
+    text = forward.lower(parallel.to_zigzag(x, SHARDS), parallel.to_zigzag(ids, SHARDS)).compile().as_text()
     assert "collective-permute" in text and "all-gather" not in text
-    clean, final = forward(spatial.to_zigzag(x, SHARDS), spatial.to_zigzag(ids, SHARDS))
+    clean, final = forward(parallel.to_zigzag(x, SHARDS), parallel.to_zigzag(ids, SHARDS))
     y1, final1 = causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, dilation=dilation,
                                return_final_state=True, implementation="xla")
-    clean = np.asarray(spatial.from_zigzag(np.asarray(clean), SHARDS))
+    clean = np.asarray(parallel.from_zigzag(np.asarray(clean), SHARDS))
     assert_bits_equal(clean, y1, "y")
     assert_bits_equal(final, final1, "final state")
     for border in range(6, length, 6):
         poisoned = x.at[:, border:].set(jnp.nan)
         relabelled = ids.at[:, border:].set(ids[:, border:] + 100)
-        y, _ = forward(spatial.to_zigzag(poisoned, SHARDS), spatial.to_zigzag(relabelled, SHARDS))
-        y = np.asarray(spatial.from_zigzag(np.asarray(y), SHARDS))
+        y, _ = forward(parallel.to_zigzag(poisoned, SHARDS), parallel.to_zigzag(relabelled, SHARDS))
+        y = np.asarray(parallel.from_zigzag(np.asarray(y), SHARDS))
         assert_bits_equal(y[:, :border], clean[:, :border], f"border at {border}")
 
 
@@ -331,7 +331,7 @@ def test_sequence_sharding_limits_are_reported():
     x, w, _, _ = _inputs(50, 4, 1, F32, F32)
 
     def call(x, w, axis_name="seq", **kw):
-        return spatial.sequence_sharded_causal_conv1d(x, w, mesh=mesh, axis_name=axis_name, batch_axis="data", **kw)
+        return parallel.sequence_sharded_causal_conv1d(x, w, mesh=mesh, axis_name=axis_name, batch_axis="data", **kw)
 
     with pytest.raises(ValueError, match="multiple of the 4 shards"):
         call(x[:, :30], w)
@@ -388,7 +388,7 @@ def test_spatial_sharding_with_segment_ids_equals_one_device(case):
     ids = jnp.asarray(_raster_documents(62, shape[:-1]))
 
     def sharded(x, k):
-        return spatial.spatially_sharded_masked_conv(
+        return parallel.spatially_sharded_masked_conv(
             x, k, mask, mesh=mesh, axis_name="h", batch_axis="b", segment_ids=ids, **kw
         )
 

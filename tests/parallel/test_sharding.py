@@ -20,9 +20,10 @@ from support.tiers import tiered
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import maskconv_kernels as mk
-from maskconv_kernels import backends, core, spatial
-from maskconv_kernels.reference import masked_conv_reference
-from maskconv_kernels.spec import make_spec
+from maskconv_kernels import parallel
+from maskconv_kernels.ops.masked_conv import backends, maps
+from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference
+from maskconv_kernels.ops.masked_conv.spec import make_spec
 
 
 
@@ -44,13 +45,14 @@ _XLA_AS_KERNEL = dataclasses.replace(backends.BACKENDS["xla"], spmd=backends.BAT
 
 def _through_the_wrapper(x, kernel, mask, **kw):
     """The "xla" backend routed through the kernel-backend wrapper (custom_partitioning)."""
-    return core.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), backend=_XLA_AS_KERNEL)
+    return maps.masked_conv(x, kernel, make_spec(x, kernel, mask, **kw), backend=_XLA_AS_KERNEL)
 
 
 def _backend(name):
     if name == "xla-as-kernel":
         return _through_the_wrapper
-    return lambda x, k, m, **kw: mk.masked_conv(x, k, m, implementation=name, interpret=True, **kw)
+    interpret = name != "xla"  # the kernel backends in their interpreters; xla has none
+    return lambda x, k, m, **kw: mk.masked_conv(x, k, m, implementation=name, interpret=interpret, **kw)
 
 
 def _runs_on_cpu(name) -> bool:
@@ -160,7 +162,7 @@ SPATIAL = {
 
 
 def _spatial(mesh, mask, **kw):
-    return lambda x, k: spatial.spatially_sharded_masked_conv(
+    return lambda x, k: parallel.spatially_sharded_masked_conv(
         x, k, mask, mesh=mesh, axis_name="h", batch_axis="b", implementation="xla", **kw
     )
 
@@ -194,7 +196,7 @@ def test_spatial_halo_is_exact_nan_below_a_border_never_reaches_rows_above():
     # 8 shards of 2 rows; type-B PixelCNN mask: output row r reads rows r-1 and r only.
     mask = mk.pixelcnn_mask((3, 3), "B")
     mesh = _mesh((N_DEVICES,), ("h",), AxisType.Auto)
-    conv = lambda x, k: spatial.spatially_sharded_masked_conv(x, k, mask, mesh=mesh, axis_name="h")
+    conv = lambda x, k: parallel.spatially_sharded_masked_conv(x, k, mask, mesh=mesh, axis_name="h")
     x, k = random(6, (2, 16, 5, 3)), random(7, (3, 3, 3, 4))
     forward = jax.jit(conv)
     clean = np.asarray(forward(x, k))
@@ -232,7 +234,7 @@ def test_spatial_sharding_limits_are_reported():
     k = random(8, (3, 3, 3, 4))
     full = np.ones((3, 3), bool)
     def call(x, axis_name="h", **kw):
-        return spatial.spatially_sharded_masked_conv(x, k, full, mesh=mesh, axis_name=axis_name, **kw)
+        return parallel.spatially_sharded_masked_conv(x, k, full, mesh=mesh, axis_name=axis_name, **kw)
 
     with pytest.raises(ValueError, match="multiple of 8 shards"):
         call(random(9, (1, 12, 4, 3)))
@@ -240,7 +242,7 @@ def test_spatial_sharding_limits_are_reported():
         call(random(9, (1, 16, 4, 3)), padding="VALID")
     with pytest.raises(ValueError, match="use at most 5 shards"):
         # 2 rows per shard, a 7-row window needs 3 from each side.
-        spatial.spatially_sharded_masked_conv(
+        parallel.spatially_sharded_masked_conv(
             random(9, (1, 16, 4, 3)), random(8, (7, 3, 3, 4)), np.ones((7, 3)), mesh=mesh, axis_name="h"
         )
     with pytest.raises(ValueError, match="not an axis"):

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import maskconv_kernels as mk
-from maskconv_kernels.ops.masked_conv import backends
+from maskconv_kernels.ops.masked_conv import backends, xla
 from maskconv_kernels.ops.masked_conv.spec import make_spec
-from maskconv_kernels.ops.masked_conv.xla import Config as XlaConfig
 
 __all__ = [
     "ON_GPU", "PLATFORM", "Backend", "suite_dtype", "BACKENDS", "SLOW_BACKENDS", "SLOW_TIER_BACKENDS", "backend_params",
@@ -33,7 +32,7 @@ class Backend:
 
     implementation: str
     interpret: bool = False
-    config: object = None  # the backend's config, e.g. XlaConfig("matmul")
+    config: object = None  # the backend's config, e.g. xla.Config("matmul")
     dtype: np.dtype = np.dtype("float32")  # what the shared suites run it in (suite_dtype)
 
     def unsupported(self, x, kernel, mask, **kw) -> str | None:
@@ -75,10 +74,10 @@ def _backends() -> dict[str, Backend]:
     0.10), is left out, and its own tests say so."""
     found = {
         "xla": Backend("xla"),  # per map, what this platform runs (on CPU: fwd "conv", dx and dw "gemm")
-        "xla_conv": Backend("xla", config=XlaConfig("conv")),  # per-box convolutions and their transposes
-        "xla_gemm": Backend("xla", config=XlaConfig("gemm")),  # blocked im2col GEMMs, every map
-        "xla_conv_blocks": Backend("xla", config=XlaConfig("conv_blocks")),  # blocked convolutions per box
-        "xla_matmul": Backend("xla", config=XlaConfig("matmul")),  # what GPUs run, on CPU
+        "xla_conv": Backend("xla", config=xla.Config("conv")),  # per-box convolutions and their transposes
+        "xla_gemm": Backend("xla", config=xla.Config("gemm")),  # blocked im2col GEMMs, every map
+        "xla_conv_blocks": Backend("xla", config=xla.Config("conv_blocks")),  # blocked convolutions per box
+        "xla_matmul": Backend("xla", config=xla.Config("matmul")),  # what GPUs run, on CPU
     }
     for name, record in backends.BACKENDS.items():
         if "kernel_problem" not in record.traits:

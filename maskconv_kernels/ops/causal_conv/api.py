@@ -21,12 +21,16 @@ import numpy as np
 from jax import lax
 
 from ..._core.errors import OpError
+from .._interpret import nothing_to_interpret
 from ..masked_conv import masked_conv
 from . import phases
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
 from .checks import Problem, make_problem
 
 __all__ = ["causal_conv", "causal_conv_transpose", "IMPLEMENTATIONS", "PREFERENCE"]
+
+# The name scope of every convolution these layers run (in HLO op names and jaxprs).
+SCOPE = "causal_conv"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +54,22 @@ class TimeConv:
         return (kernel.shape[0] - 1) * self.dilation
 
     def __call__(self, x, kernel, time_pad: int, segment_ids=None):
-        """``masked_conv`` of ``x (N, T, *spatial, C_in)`` with time padded ``(time_pad, 0)``."""
+        """``masked_conv`` of ``x (N, T, *spatial, C_in)`` with time padded ``(time_pad, 0)``.
+
+        Under the name scope :data:`SCOPE`: profiles and HLO show the layer by its op's
+        name, and the causality audit tells it from a plain unmasked ``masked_conv`` (a
+        causal layer reads its current frame; a shifted PixelCNN++-style convolution
+        must not), :func:`maskconv_kernels.audit.order.learn_include_current`.
+        """
         p = self.problem
-        return masked_conv(
-            x, kernel, np.ones(kernel.shape[:-2], bool), strides=(self.stride, *p.strides[1:]),
-            padding=((time_pad, 0), *p.pads), dilation=(self.dilation, *p.dilation[1:]),
-            feature_group_count=p.groups, precision=p.precision, preferred_element_type=p.acc_dtype,
-            implementation=self.implementation, interpret=self.interpret, config=self.config,
-            segment_ids=segment_ids,
-        )
+        with jax.named_scope(SCOPE):
+            return masked_conv(
+                x, kernel, np.ones(kernel.shape[:-2], bool), strides=(self.stride, *p.strides[1:]),
+                padding=((time_pad, 0), *p.pads), dilation=(self.dilation, *p.dilation[1:]),
+                feature_group_count=p.groups, precision=p.precision, preferred_element_type=p.acc_dtype,
+                implementation=self.implementation, interpret=self.interpret, config=self.config,
+                segment_ids=segment_ids,
+            )
 
     def causal(self, x, kernel, segment_ids=None):
         """The full causal pass: ``(N, floor((T - 1) / s) + 1, *out_spatial, C_out)``.
@@ -91,6 +102,8 @@ def time_conv(op: str, problem: Problem, implementation, interpret, config, *, s
         # The problem alone here; the platform when the function is lowered. The
         # registry's errors say "causal_conv(implementation=...)": the op's own words.
         REGISTRY.check(implementation, problem.spec, interpret, config)
+    # Said here, in the op's words; masked_conv then gets interpret=False and says nothing.
+    interpret = interpret and not nothing_to_interpret(op, REGISTRY, implementation, interpret)
     return TimeConv(problem, stride, dilation, implementation, interpret, config)
 
 
@@ -134,8 +147,10 @@ def causal_conv(
       x: ``(N, T, *spatial, C_in)``, channels-last, with 0 to 2 spatial axes after time
         (audio ``(N, T, C)``, spectrograms ``(N, T, F, C)``, video ``(N, T, H, W, C)``);
         float32, bfloat16 or float16 (float64 with ``jax_enable_x64``, on ``"xla"``).
-      kernel: ``(k_T, *k_spatial, C_in // feature_group_count, C_out)``; its dtype may be
-        wider than x's (``"xla"`` only, as ``masked_conv``).
+      kernel: ``(k_T, *k_spatial, C_in // feature_group_count, C_out)``; its dtype may
+        differ from x's (``"xla"`` only, as ``masked_conv``'s: products in the wider
+        dtype; a narrower kernel, float16 weights with float32 ``x``, is read exactly as
+        ``kernel.astype(x.dtype)`` and only its gradient is rounded to float16).
       bias: ``(C_out,)`` or ``None``; added in float32.
       strides, dilation: an int (every axis) or one per spatial axis, time first.
       padding: the other axes' (not time's): ``"SAME"``, ``"VALID"`` or one ``(lo, hi)``
@@ -158,6 +173,8 @@ def causal_conv(
         backend that takes the problem (``"pallas_triton"``, ``"triton"``: 1-D and 2-D,
         ungrouped; ``"pallas_mosaic_gpu"``: 1-D and 2-D, stride 1, 16-bit).
       interpret: run a kernel implementation in its interpreter (any platform, slowly).
+        With ``implementation="xla"`` there is no kernel to interpret: a ``UserWarning``
+        says so and the call runs as with ``interpret=False``.
       config: the named implementation's ``Config`` (``masked_conv``'s), or ``None``.
 
     Returns:

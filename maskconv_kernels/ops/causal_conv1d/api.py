@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ..._core.errors import OpError
 from ..._core.fused import FusedOp
+from .._interpret import nothing_to_interpret
 from . import xla
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
 from .checks import OP, make_problem
@@ -101,6 +102,8 @@ def forward(err: OpError, problem, x, weight, bias, ids, initial_state, *, imple
             raise err.value("config= is the config of one implementation: name it with implementation=")
     else:
         backend = REGISTRY.check(implementation, problem, interpret, config, op=err.op)
+    # implementation="xla", or None (which runs "xla" for this op): nothing to interpret.
+    interpret = interpret and not nothing_to_interpret(err.op, REGISTRY, implementation, interpret)
     if 0 in x.shape:
         return jnp.zeros(x.shape, x.dtype)  # every output an empty sum, or none
     given = (("bias", bias), ("ids", ids), ("state", initial_state if problem.has_state else None))

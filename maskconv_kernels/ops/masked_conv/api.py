@@ -8,12 +8,12 @@ for CPU and the GPU kernels for cuda.
 """
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 
 from ..._core.args import as_operand, as_segment_ids
+from ..._moved import warn
+from .._interpret import nothing_to_interpret
 from . import backends as _backends
 from . import maps
 from .backends import IMPLEMENTATIONS, PREFERENCE
@@ -21,7 +21,7 @@ from .spec import make_spec
 
 __all__ = ["masked_conv", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
 
-# Old names, accepted with a DeprecationWarning.
+# Old implementation names, accepted with a DeprecationWarning until _moved.REMOVED_IN.
 _RENAMED = {"pallas": "pallas_triton"}
 
 
@@ -72,9 +72,14 @@ def masked_conv(
         ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays, nested lists)
         are converted as ``jnp.asarray`` would.
       kernel: ``(*window, C_in // feature_group_count, C_out)`` (or the order
-        ``dimension_numbers`` gives). Its dtype may differ from ``x``'s (bfloat16
-        activations with float32 weights): products are taken in the wider dtype (widening
-        is exact), the output has ``x``'s dtype and each gradient its operand's.
+        ``dimension_numbers`` gives). Its dtype may differ from ``x``'s, on the ``xla``
+        backend: products are taken in the wider dtype (widening is exact), the output has
+        ``x``'s dtype and each gradient its operand's. A wider kernel (bfloat16
+        activations, float32 weights) keeps float32 weight gradients. A narrower one
+        (float16 or bfloat16 weights, float32 ``x``) is read as ``kernel.astype(x.dtype)``,
+        exactly, so the output is that of float32 weights; only its gradient is rounded,
+        once, to the kernel's dtype (float16 overflows to inf beyond 65504). For a float32
+        weight gradient, pass ``kernel.astype(x.dtype)``.
       mask: static bools or 0/1 of shape ``window`` (one bit per tap; the kernel's spatial
         dims in the kernel's order) or the kernel's shape (channel-partial taps). Must not
         be traced. ``None`` (the default): every tap is active, as in the Flax and Equinox
@@ -93,14 +98,16 @@ def masked_conv(
       dimension_numbers: ``None`` (channels-last, as above; lax's ``None`` is NCHW/OIHW),
         a ``lax.ConvDimensionNumbers``, or three strings as lax takes them, e.g.
         ``("NCHW", "OIHW", "NCHW")``. The backends compute channels-last; other layouts are
-        transposed in and out (:mod:`maskconv_kernels.layout`).
+        transposed in and out (``maskconv_kernels.ops.masked_conv.layout``).
       precision: ``lax.Precision`` (or its name) for the products; ``"highest"`` gives
         IEEE float32 products on GPUs (no TF32).
       preferred_element_type: output dtype; defaults to ``x.dtype``. Accumulation is in
         float32 for every input dtype narrower than that.
       implementation: ``None`` (per platform, when lowered: the first backend of
         ``PREFERENCE`` that supports the problem there) or one of ``IMPLEMENTATIONS``.
-      interpret: run kernel backends in interpret mode (for tests on CPU).
+      interpret: run kernel backends in interpret mode (for tests on CPU). With
+        ``implementation="xla"`` there is no kernel to interpret: a ``UserWarning`` says
+        so and the call runs as with ``interpret=False``.
       config: the named implementation's frozen ``Config`` (its module's, e.g.
         ``maskconv_kernels.ops.masked_conv.pallas_triton.Config``), or ``None`` for its
         heuristic.
@@ -146,14 +153,13 @@ def masked_conv(
     backend = None
     if implementation is not None:
         if implementation in _RENAMED:
-            warnings.warn(
-                f'implementation="{implementation}" is now "{_RENAMED[implementation]}"', DeprecationWarning, stacklevel=2
-            )
+            warn(f'implementation="{implementation}"', f'implementation="{_RENAMED[implementation]}"', stacklevel=2)
             implementation = _RENAMED[implementation]
         # The problem alone here; the platform when the function is lowered.
         backend = _backends.REGISTRY.check(implementation, spec, interpret, config)
     elif config is not None:
         raise ValueError("config= is the config of one backend: name it with implementation=")
+    interpret = interpret and not nothing_to_interpret("masked_conv", _backends.REGISTRY, implementation, interpret)
     x, kernel = layout.x(x), layout.kernel(kernel)
     if 0 in spec.out_spatial:
         # The window does not fit (VALID, say): lax's zero-size output, nothing read, and

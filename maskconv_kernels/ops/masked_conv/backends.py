@@ -4,7 +4,7 @@ A record says what a backend is, not how it computes (:class:`~maskconv_kernels.
 its name (which says the lowering), its module (a module or folder of this package named
 as the implementation), how it meets SPMD and how its interpreter runs. Its traits:
 
-* ``"kernel_problem"``: its kernels read the 2-D :class:`~.problem.KernelProblem` (1-D
+* ``"kernel_problem"``: its kernels read the 2-D :class:`~.kernel_problem.KernelProblem` (1-D
   lifted, active taps only) and return the weight gradient of the active taps as
   partial sums ``[splits, T, C_in, C_out]``; without it they take the N-D ``ConvSpec``;
 * ``"segments"``: its kernels take ``segment_ids`` (a keyword argument of all three);

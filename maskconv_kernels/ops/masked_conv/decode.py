@@ -116,7 +116,7 @@ class DecodeSpec:
 
     @property
     def row_offsets(self) -> tuple[int, ...]:
-        """2-D: the distinct row offsets of the active taps (the cached rows a row step reads)."""
+        """The distinct row offsets of the active taps (the cached rows a row step reads), for a 2-D spec."""
         return tuple(sorted({o[0] for o in self.offsets}))
 
 

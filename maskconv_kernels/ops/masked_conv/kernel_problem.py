@@ -1,6 +1,6 @@
 """The kernel-facing problem: one masked convolution as every kernel backend sees it.
 
-Built once per :class:`~maskconv_kernels.spec.ConvSpec` (:func:`kernel_problem`, cached)
+Built once per :class:`~.spec.ConvSpec` (:func:`kernel_problem`, cached)
 and read by every kernel backend; none re-derives it. It is 2-D and channels-last: a
 1-D problem is the 2-D one of height 1 (``H = KH = 1``, tap row 0, no row padding), and
 arrays are lifted to it by a reshape (:func:`lift`). It names the *active* taps only,

@@ -39,7 +39,7 @@ def _dilate_dim(n: int, d: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The caller's layout of one convolution (validated by :func:`maskconv_kernels.spec.make_spec`).
+    """The caller's layout of one convolution (validated by :func:`.spec.make_spec`).
 
     Attributes:
       lhs: axes of ``x`` holding ``(N, C, *spatial)`` (lax's ``ConvDimensionNumbers.lhs_spec``).

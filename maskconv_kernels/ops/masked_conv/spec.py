@@ -118,7 +118,7 @@ def make_spec(
     given (their values are checked by :func:`as_segment_ids`). Every error names the
     argument and what it accepts; those about channels also say how x and the kernel
     were read (channels-last unless ``dimension_numbers`` says otherwise). The shapes checked after ``dimension_numbers`` are those of the
-    channels-last problem (:mod:`maskconv_kernels.layout`).
+    channels-last problem (:mod:`.layout`).
     """
     x, kernel = as_operand("x", x), as_operand("kernel", kernel)
     x_dtype, k_dtype = float_dtype("x must have", x.dtype), float_dtype("kernel must have", kernel.dtype)
@@ -245,7 +245,7 @@ def _check_segmented(spec: ConvSpec) -> None:
 
 
 def _layout(x_shape, kernel_shape, value, lhs_dilation, batch_group_count, feature_group_count) -> Layout:
-    """Validates lax's layout arguments (:mod:`maskconv_kernels.layout`) for operands of these shapes."""
+    """Validates lax's layout arguments (:mod:`.layout`) for operands of these shapes."""
     ndim = len(x_shape) - 2
     lhs, rhs, out = _dimension_numbers(value, tuple(x_shape), tuple(kernel_shape))
     lhs_dilation = ints("lhs_dilation", lhs_dilation, ndim)

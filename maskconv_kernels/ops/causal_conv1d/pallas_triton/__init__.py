@@ -1,6 +1,6 @@
 """``causal_conv1d``'s ``pallas_triton`` implementation: fused Pallas kernels, lowered through Triton.
 
-* :mod:`.config`: :class:`Config` (``BlockSizes`` before), the tiles and their heuristic;
+* :mod:`.config`: :class:`Config`, the tiles and their heuristic;
 * :mod:`.kernels`: the forward, backward and state-gradient kernels.
 
 Runs on NVIDIA GPUs, or on any platform with ``interpret=True`` (the Pallas interpreter).
@@ -12,11 +12,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from ...._moved import renamed_attributes
 from ..checks import Problem
-from .config import BlockSizes, Config
+from .config import Config
 from .kernels import DTYPES, KERNELS
 
-__all__ = ["Config", "BlockSizes", "KERNELS", "unsupported", "forward", "backward"]
+__all__ = ["Config", "KERNELS", "unsupported", "forward", "backward"]
+
+# The config's name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"BlockSizes": "Config"})
 
 
 def unsupported(problem: Problem, platform: str | None, interpret: bool = False) -> str | None:

@@ -5,8 +5,9 @@ import dataclasses
 
 from ...._core.args import is_int
 from ...._core.tiling import next_pow2, reduction_splits
+from ...._moved import renamed_attributes
 
-__all__ = ["Config", "BlockSizes"]
+__all__ = ["Config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,4 +79,5 @@ class Config:
         return reduction_splits(channel_blocks, position_tiles, waves=4, min_steps=1, most=self.backward_splits)
 
 
-BlockSizes = Config  # its name before every backend's config was Config
+# Its name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"BlockSizes": "Config"})

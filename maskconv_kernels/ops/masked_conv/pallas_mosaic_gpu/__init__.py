@@ -1,6 +1,6 @@
 """The ``pallas_mosaic_gpu`` backend: Pallas kernels lowered through Mosaic GPU, for NVIDIA Hopper.
 
-* :mod:`.config`: :class:`Config` (``Tiles`` before), the tile sizes and their heuristic
+* :mod:`.config`: :class:`Config`, the tile sizes and their heuristic
   (``masked_conv(..., implementation="pallas_mosaic_gpu", config=Config(...))``);
 * :mod:`.grid`: the padded pixel grid that makes every active tap one TMA box;
 * :mod:`.kernels`: the tap GEMM (forward, input gradient) and the tap weight gradient,
@@ -16,7 +16,11 @@ Importing this package imports no Mosaic GPU module: :mod:`.kernels` is imported
 kernels run, so choosing a backend costs nothing where they do not run (and jax 0.10's
 Mosaic GPU package, which needs absl-py, is never imported).
 """
-from .config import Config, Tiles
+from ...._moved import renamed_attributes
+from .config import Config
 from .conv import forward, input_grad, unsupported, weight_grad
 
-__all__ = ["Config", "Tiles", "unsupported", "forward", "input_grad", "weight_grad"]
+__all__ = ["Config", "unsupported", "forward", "input_grad", "weight_grad"]
+
+# The config's name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"Tiles": "Config"})

@@ -16,10 +16,11 @@ import dataclasses
 import numpy as np
 
 from ...._core.hardware import SMEM_BYTES
+from ...._moved import renamed_attributes
 from ...._core.tiling import next_pow2, reduction_splits
 from ..spec import ConvSpec
 
-__all__ = ["Config", "Tiles", "stages", "weight_grad_splits"]
+__all__ = ["Config", "stages", "weight_grad_splits"]
 
 _PIXEL_TILES = (64, 128)  # wgmma's M is 64 per warpgroup instruction; 128 is two
 _BLOCK_K = (16, 32, 64)  # 16-bit channels: 32, 64 or 128 bytes, one swizzle span
@@ -111,4 +112,5 @@ def weight_grad_splits(tiles: Config, programs: int, chunks: int) -> int:
     return reduction_splits(programs, chunks, waves=4, min_steps=8, most=tiles.weight_grad_splits, divisor=True)
 
 
-Tiles = Config  # its name before every backend's config was Config
+# Its name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"Tiles": "Config"})

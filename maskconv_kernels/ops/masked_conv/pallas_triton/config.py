@@ -19,9 +19,10 @@ import numpy as np
 
 from ...._core.hardware import TL_DOT_MIN_BLOCK
 from ...._core.tiling import next_pow2, reduction_splits
+from ...._moved import renamed_attributes
 from ..spec import ConvSpec
 
-__all__ = ["Config", "BlockSizes", "KERNELS", "weight_grad_splits"]
+__all__ = ["Config", "KERNELS", "weight_grad_splits"]
 
 _MIN_BLOCK = TL_DOT_MIN_BLOCK
 _MAX_BLOCK = 512
@@ -110,7 +111,8 @@ _GEMM_TILES = {
 KERNELS = tuple(_GEMM_TILES[True])
 
 
-BlockSizes = Config  # its name before every backend's config was Config
+# Its name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"BlockSizes": "Config"})
 
 
 def weight_grad_splits(programs: int, reduce_blocks: int) -> int:

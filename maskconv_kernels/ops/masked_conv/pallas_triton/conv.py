@@ -70,7 +70,7 @@ def _common(a, b):
     return a.astype(dtype), b.astype(dtype)
 
 
-# The three kernels the core (maskconv_kernels.core) lowers, on the 2-D problem.
+# The three kernels the maps (maskconv_kernels.ops.masked_conv.maps) lower, on the 2-D problem.
 
 
 def forward(x, k, job, out_dtype):

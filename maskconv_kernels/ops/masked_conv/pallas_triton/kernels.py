@@ -28,8 +28,8 @@ set (``other=0`` selects, it never multiplies) and the products are kept only in
 output set with a ``where``, so an input reachable only through masked entries (even inf
 or NaN) never reaches an output and gets an exactly zero gradient. Channel sets are
 static runs ``(start, stop)``, compared against iotas in the kernel: the kernels close
-over no array constants (``custom_partitioning`` in :mod:`maskconv_kernels.sharding`
-requires that).
+over no array constants (``custom_partitioning`` in
+:mod:`maskconv_kernels._core.partitioning` requires that).
 """
 from __future__ import annotations
 

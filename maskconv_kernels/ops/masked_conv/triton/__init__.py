@@ -16,7 +16,11 @@ Selected explicitly with ``implementation="triton"``; with ``interpret=True`` th
 kernels run in Triton's interpreter on any host (:mod:`.interpret`), which is how CI
 checks them without a GPU.
 """
-from .config import Config, Configs, Launch
+from ...._moved import renamed_attributes
+from .config import Config, Launch
 from .conv import forward, input_grad, unsupported, weight_grad
 
-__all__ = ["Config", "Configs", "Launch", "unsupported", "forward", "input_grad", "weight_grad"]
+__all__ = ["Config", "Launch", "unsupported", "forward", "input_grad", "weight_grad"]
+
+# The config's name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"Configs": "Config"})

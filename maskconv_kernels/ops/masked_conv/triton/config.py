@@ -13,8 +13,9 @@ import os
 
 from ...._core.hardware import TL_DOT_MIN_BLOCK, sm_count
 from ...._core.tiling import cdiv, next_pow2, reduction_splits
+from ...._moved import renamed_attributes
 
-__all__ = ["Config", "Configs", "Launch", "heuristic", "candidates", "autotune_enabled", "KINDS"]
+__all__ = ["Config", "Launch", "heuristic", "candidates", "autotune_enabled", "KINDS"]
 
 KINDS = ("fwd", "dx", "dw")
 
@@ -69,7 +70,8 @@ class Config:
                 raise TypeError(f"Config.{kind} must be a Launch or None, got {type(value).__name__}")
 
 
-Configs = Config  # its name before every backend's config was Config
+# Its name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"Configs": "Config"})
 
 
 def _pow2_clamp(n: int, lo: int, hi: int) -> int:

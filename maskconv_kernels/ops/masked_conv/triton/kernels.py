@@ -16,7 +16,7 @@ Layouts (channels-last, contiguous; 1-D problems arrive as ``H = KH = 1``):
 Output tap ``(kh, kw)`` of output pixel ``(oh, ow)`` reads input pixel
 ``(oh * SH - PH + kh * DH, ow * SW - PW + kw * DW)``.
 
-This module imports ``triton``; only :mod:`maskconv_kernels.triton.ops` imports it, and
+This module imports ``triton``; only :mod:`.ops` imports it, and
 only when a Triton kernel is launched or compiled.
 """
 from __future__ import annotations

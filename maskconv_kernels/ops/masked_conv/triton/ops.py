@@ -35,7 +35,7 @@ _TRITON_TYPES = {np.dtype("float32"): "fp32", np.dtype(jnp.bfloat16): "bf16", np
 class Problem:
     """One launch problem: the shared 2-D kernel problem with its batch, dtypes and dot precision.
 
-    ``kernel`` (:class:`~maskconv_kernels.problem.KernelProblem`) names the active taps
+    ``kernel`` (:class:`~..kernel_problem.KernelProblem`) names the active taps
     only; masked taps appear nowhere below this point.
     """
 
@@ -290,7 +290,7 @@ def timings() -> dict[tuple, dict[Launch, float]]:
     return {key: dict(t) for key, t in _TIMINGS.items()}
 
 
-# The three kernels the core (maskconv_kernels.core) lowers, on the 2-D problem. Operands
+# The three kernels the maps (maskconv_kernels.ops.masked_conv.maps) lower, on the 2-D problem. Operands
 # take the dtypes the launch declares: x and kernel in the primal dtype, y / dy in the
 # output dtype.
 

@@ -40,12 +40,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from ...._core.primitives import zeros_varying
+from ...._moved import renamed_attributes
 from ....masks import Mask, Term
 from ..spec import ConvSpec
 from . import blocks, depthwise
 from .blocks import take  # a[..., indices] as a slice where contiguous
 
-__all__ = ["Config", "XlaConfig", "STRATEGIES", "MAPS", "cpu_strategy", "unsupported", "forward", "input_grad", "weight_grad"]
+__all__ = ["Config", "STRATEGIES", "MAPS", "cpu_strategy", "unsupported", "forward", "input_grad", "weight_grad"]
 
 STRATEGIES = ("auto", "conv", "matmul", *blocks.STRATEGIES)
 MAPS = ("forward", "input_grad", "weight_grad")
@@ -86,7 +87,8 @@ class Config:
             raise ValueError(f"Config.block_bytes must be None or a positive int, got {self.block_bytes!r}")
 
 
-XlaConfig = Config  # its name before every backend's config was Config
+# Its name before every backend's config was Config: warns, until _moved.REMOVED_IN.
+__getattr__ = renamed_attributes(__name__, {"XlaConfig": "Config"})
 
 
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
@@ -144,8 +146,8 @@ def _blocks_dtype(job, a, b):
     return jnp.promote_types(a.dtype, b.dtype)
 
 
-# The three maps the core (maskconv_kernels.core) lowers. The forward is linear in each
-# argument: its transposes are the exact gradients, built from the same active pieces
+# The three maps that maskconv_kernels.ops.masked_conv.maps lowers. The forward is linear
+# in each argument: its transposes are the exact gradients, built from the same active pieces
 # (and nothing else).
 
 

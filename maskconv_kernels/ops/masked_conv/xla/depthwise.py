@@ -16,9 +16,9 @@ input ``q`` only where ``ids[q] == ids[p] >= 0`` (:func:`segment_selects`); the 
 selects serve the xla backend's im2col GEMMs for every other mask and rank.
 
 Everything here is pure JAX, linear in ``x`` and in the kernel, and computed in the
-accumulation dtype by the caller (:mod:`maskconv_kernels.xla` transposes it for the
-gradients). Shapes: ``x: (N, *spatial, C)``, ``kernel: (*window, 1, C * m)`` (``m`` the
-channel multiplier: output channel ``o`` reads input channel ``o // m``).
+accumulation dtype by the caller (:mod:`.conv` transposes it for the gradients).
+Shapes: ``x: (N, *spatial, C)``, ``kernel: (*window, 1, C * m)`` (``m`` the channel
+multiplier: output channel ``o`` reads input channel ``o // m``).
 """
 from __future__ import annotations
 
