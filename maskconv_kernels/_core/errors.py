@@ -3,8 +3,18 @@
 Each public function builds one :class:`OpError` with its own name and hands it to the
 checks it shares with other functions, so that a message names the function the user
 called, not the one that happened to check.
+
+Some arguments are data a jitted function sees only as tracers (a slot index, a
+stream's state, request offsets): :meth:`OpError.check` raises for them when they are
+concrete, and when traced leaves a ``jax.experimental.checkify`` check that reports the
+same message under ``checkify.checkify`` and compiles to nothing without it.
 """
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
 
 __all__ = ["OpError"]
 
@@ -20,6 +30,21 @@ class OpError:
 
     def type(self, message: str) -> TypeError:
         return TypeError(f"{self.op}: {message}")
+
+    def check(self, ok, message: str, **values) -> None:
+        """Requires every element of ``ok`` (bools, any shape) to be true.
+
+        Concrete ``ok``: a ``ValueError`` with ``message`` formatted by ``values`` (arrays,
+        written as NumPy writes them). Traced ``ok`` (under ``jit``, ``vmap``, ``scan``):
+        ``checkify.debug_check``, so that a function wrapped in ``checkify.checkify``
+        returns an error with the same message (and `` (`check` failed)`` after it); without
+        ``checkify`` nothing is checked and nothing is computed for it. ``message`` is a
+        ``str.format`` pattern over ``values``' names, its literal braces doubled.
+        """
+        if isinstance(ok, jax.core.Tracer) or any(isinstance(v, jax.core.Tracer) for v in values.values()):
+            checkify.debug_check(jnp.all(ok), f"{self.op}: {message}", **{k: jnp.asarray(v) for k, v in values.items()})
+        elif not np.all(np.asarray(ok)):
+            raise self.value(message.format(**{k: np.asarray(v) for k, v in values.items()}))
 
     def reworded(self, error: Exception) -> Exception:
         """A shared normaliser's error (it names the argument) with the op in front."""

@@ -116,7 +116,8 @@ class Layer:
         """One chunk ``(*batch_dims, L, *spatial, C_in)`` of a stream: ``(y_chunk, new_state)``.
 
         :func:`causal_conv_stream`'s rules: the first chunk any length, then multiples of
-        ``s_T`` (a ``ValueError`` otherwise, where ``state.started`` is concrete).
+        ``s_T`` (a ``ValueError`` otherwise where ``state.started`` is concrete, a
+        ``checkify`` error under ``jax.experimental.checkify.checkify`` where it is traced).
         """
         batch, x, ids = self._flat(inputs, segment_ids)
         y, state = causal_conv_stream(x, state, kernel, bias, segment_ids=ids, **self.kwargs())

@@ -199,10 +199,11 @@ def causal_conv_stream(
     Raises:
       ValueError: a later chunk whose length is not a multiple of ``s_T``, or a state
         of another layer; :func:`~.api.causal_conv`'s errors otherwise. A state passed
-        to a jitted function is traced, so whether it has started cannot be checked when
-        the chunk is: a chunk whose length is not a multiple of ``s_T`` is then computed
-        as a first chunk, and its outputs are NaN if the state had started (the bug
-        shows, as a traced index outside a decode pool reads NaN).
+        to a jitted function is traced, so whether it has started is checked only under
+        ``jax.experimental.checkify.checkify`` (the same message); unchecked, a chunk
+        whose length is not a multiple of ``s_T`` is computed as a first chunk, and its
+        outputs are NaN if the state had started (the bug shows, as a traced index
+        outside a decode pool reads NaN).
     """
     op = "causal_conv_stream"
     problem, conv, x, kernel, bias, ids = _setup(op, x_chunk, state, kernel, bias, segment_ids, dict(
@@ -214,10 +215,11 @@ def causal_conv_stream(
     first, unchecked = state is None, False
     if length % stride:
         started = None if state is None else _started(state)
-        if started is True:
-            raise OpError(op).value(
+        if started is not False and state is not None:  # raises now, or leaves a checkify check if traced
+            OpError(op).check(
+                ~state.started,
                 f"after the first chunk every chunk needs a multiple of strides[0] = {stride} frames (each gives "
-                f"length / {stride} outputs), got {length} frames; the first chunk may have any length >= 1"
+                f"length / {stride} outputs), got {length} frames; the first chunk may have any length >= 1",
             )
         first, unchecked = True, state is not None and started is None
     past = _history(state, x, problem)

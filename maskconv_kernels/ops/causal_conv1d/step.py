@@ -76,7 +76,9 @@ def causal_conv1d_step(
         (padded with requests of no token).
       state_indices: ``(R,)`` signed integers: each request's slot, or
         :data:`~.update.PAD_SLOT_ID` for a pad row (zero outputs, reads and writes nothing).
-        Concrete indices are checked (in ``[0, S)`` or ``PAD_SLOT_ID``, no slot twice).
+        Checked (in ``[0, S)`` or ``PAD_SLOT_ID``, no slot twice) when concrete, and
+        under ``jax.experimental.checkify.checkify`` when traced, as every index and
+        offset here.
       has_initial_state: ``(R,)`` bools or ``None`` (all true).
       write_indices: ``(R,)`` or ``None``: where each request's state after the step goes,
         when it is not the slot it read (a request that starts from a cached prefix's
@@ -109,7 +111,7 @@ def causal_conv1d_step(
         raise OP.value(f"x must be (T, D), the step's tokens back to back, got shape {tuple(x.shape)}")
     _, d, window = check_operands(x[None], weight, bias, dilation, OP)
     slots, state_len = _check_pool(pool, window, d, x.dtype)
-    qsl = _check_query_start_loc(query_start_loc)
+    qsl = _check_query_start_loc(query_start_loc, x.shape[0])
     requests = qsl.shape[0] - 1
     read = check_state_indices(state_indices, requests, slots, OP)
     write = read if write_indices is None else check_state_indices(write_indices, requests, slots, OP, "write_indices")
@@ -215,7 +217,7 @@ def _check_pool(pool, window: int, d: int, dtype) -> tuple[int, int]:
     return shape[0], shape[1]
 
 
-def _check_query_start_loc(qsl):
+def _check_query_start_loc(qsl, tokens: int):
     if not isinstance(qsl, (jax.Array, jax.ShapeDtypeStruct)):
         qsl = jnp.asarray(qsl)
     if np.dtype(qsl.dtype).kind not in "iu" or qsl.ndim != 1 or qsl.shape[0] < 2:
@@ -223,23 +225,19 @@ def _check_query_start_loc(qsl):
             f"query_start_loc must be (R + 1,) integers, R >= 1 requests, got shape {tuple(qsl.shape)} of "
             f"{np.dtype(qsl.dtype)}"
         )
-    if not isinstance(qsl, jax.core.Tracer):
-        values = np.asarray(qsl)
-        if values[0] != 0 or (np.diff(values) < 0).any():
-            raise OP.value(f"query_start_loc must start at 0 and never decrease, got {values.tolist()}")
+    OP.check((qsl[0] == 0) & jnp.all(qsl[1:] >= qsl[:-1]) & (qsl[-1] <= tokens),
+             f"query_start_loc must start at 0, never decrease and end at most at T = {tokens} (the tokens of x), "
+             "got {query_start_loc}", query_start_loc=qsl)
     return qsl.astype(jnp.int32)
 
 
 def _check_accepted(accepted, requests: int, state_len: int, window: int):
     accepted = check_row_values("num_accepted_tokens", accepted, requests, "iu", OP)
     most = state_len - window + 1
-    if not isinstance(accepted, jax.core.Tracer):
-        values = np.asarray(accepted)
-        if ((values < 1) | (values > most)).any():
-            raise OP.value(
-                f"num_accepted_tokens must be in [1, state_len - (W - 1) * dilation + 1] = [1, {most}] (the slot holds "
-                f"{state_len - window} draft positions beyond the window), got {values.tolist()}"
-            )
+    OP.check((accepted >= 1) & (accepted <= most),
+             f"num_accepted_tokens must be in [1, state_len - (W - 1) * dilation + 1] = [1, {most}] (the slot holds "
+             f"{state_len - window} draft positions beyond the window), got {{num_accepted_tokens}}",
+             num_accepted_tokens=accepted)
     return accepted.astype(jnp.int32)
 
 
@@ -256,5 +254,8 @@ def _check_blocks(block_size, block_indices, num_computed_tokens, requests: int,
     if block_indices.ndim != 2 or block_indices.shape[0] != requests or np.dtype(block_indices.dtype).kind != "i":
         raise OP.value(f"block_indices must be (R, M) = ({requests}, M) signed integers, got shape "
                        f"{tuple(block_indices.shape)} of {np.dtype(block_indices.dtype)}")
+    OP.check((block_indices == PAD_SLOT_ID) | ((block_indices >= 0) & (block_indices < slots)),
+             f"block_indices must be slots of the pool, in [0, {slots}), or {PAD_SLOT_ID} for a block not cached; "
+             "got {block_indices}", block_indices=block_indices)
     computed = check_row_values("num_computed_tokens", num_computed_tokens, requests, "iu", OP)
     return int(block_size), block_indices.astype(jnp.int32), computed.astype(jnp.int32)

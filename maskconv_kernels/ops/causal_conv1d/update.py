@@ -67,12 +67,13 @@ def causal_conv1d_update(
       weight, bias, activation, dilation, implementation, interpret: as in :func:`~.api.causal_conv1d`.
       state_indices: ``(B,)`` signed integers or ``None`` (row ``b`` uses slot ``b``; then
         ``S == B``). :data:`PAD_SLOT_ID` (-1) marks a row that holds no request: its
-        outputs are zeros and it reads and writes nothing. Concrete indices are checked
-        (in ``[0, S)`` or -1, and no slot twice); traced ones cannot be, so a traced index
-        outside ``[0, S)`` other than -1 writes nothing and reads NaN (its outputs are
-        NaN, so the error shows, unless ``has_initial_state`` is false there), as jax's
-        ``mode="fill"`` gathers and ``mode="drop"`` scatters do, and two rows naming one
-        slot write it in an unspecified order.
+        outputs are zeros and it reads and writes nothing. Indices are checked (in ``[0,
+        S)`` or -1, and no slot twice): concrete ones when called, traced ones under
+        ``jax.experimental.checkify.checkify`` (the same message). Unchecked, a traced
+        index outside ``[0, S)`` other than -1 writes nothing and reads NaN (its outputs
+        are NaN, so the error shows, unless ``has_initial_state`` is false there), as
+        jax's ``mode="fill"`` gathers and ``mode="drop"`` scatters do, and two rows naming
+        one slot write it in an unspecified order.
       cache_seqlens: ``(B,)`` integers or ``None``: how many inputs each row's sequence
         had before ``x`` (circular mode). The window before ``x`` is read at positions
         ``(cache_seqlens - (W - 1) * dilation ... cache_seqlens - 1) % state_len``; the
@@ -165,10 +166,6 @@ def zero_padding_rows(y: jax.Array, indices: jax.Array) -> jax.Array:
     return jnp.where(pad, jnp.zeros((), y.dtype), y)
 
 
-def _is_traced(value) -> bool:
-    return isinstance(value, jax.core.Tracer)
-
-
 def _check_pool(conv_state, window: int, d: int, dtype, batch: int | None):
     """Checks the pool: ``(S, state_len >= window, D)`` in ``dtype``, ``S == batch`` unless ``None``.
 
@@ -199,8 +196,8 @@ def check_row_values(name: str, value, batch: int, kinds: str, err: OpError = OP
         raise err.type(f"{name} must hold {what}, one per row of x, got dtype {dtype}")
     if tuple(value.shape) != (batch,):
         raise err.value(f"{name} must have shape (B,) = ({batch},), one per row of x, got {tuple(value.shape)}")
-    if kinds == "iu" and not _is_traced(value) and (np.asarray(value) < 0).any():
-        raise err.value(f"{name} must be non-negative, got {np.asarray(value).tolist()}")
+    if kinds == "iu":
+        err.check(value >= 0, f"{name} must be non-negative, got {{value}}", value=value)
     return value
 
 
@@ -219,17 +216,14 @@ def check_state_indices(state_indices, batch: int, slots: int, err: OpError = OP
         )
     if tuple(state_indices.shape) != (batch,):
         raise err.value(f"{name} must have shape (B,) = ({batch},), one per row of x, got {tuple(state_indices.shape)}")
-    if _is_traced(state_indices):
-        return state_indices
-    values = np.asarray(state_indices).astype(np.int64)
-    bad = values[(values != PAD_SLOT_ID) & ((values < 0) | (values >= slots))]
-    if bad.size:
-        raise err.value(
-            f"{name} must be slots of conv_state, in [0, {slots}), or {PAD_SLOT_ID} for a row without a "
-            f"request; got {sorted(set(bad.tolist()))}"
-        )
-    used = values[values != PAD_SLOT_ID]
-    if np.unique(used).size != used.size:
-        twice = sorted({int(v) for v in used if (used == v).sum() > 1})
-        raise err.value(f"{name} names slots {twice} for several rows: each row needs its own slot")
+    used = state_indices != PAD_SLOT_ID
+    err.check(
+        ~used | ((state_indices >= 0) & (state_indices < slots)),
+        f"{name} must be slots of conv_state, in [0, {slots}), or {PAD_SLOT_ID} for a row without a request; "
+        f"got {{indices}}", indices=state_indices,
+    )
+    # (B, B): another row with the same slot. B is a batch of rows, small.
+    same = (state_indices[:, None] == state_indices[None, :]) & used[:, None] & ~jnp.eye(batch, dtype=bool)
+    err.check(~same, f"{name} names a slot for several rows (each row needs its own slot): got {{indices}}",
+              indices=state_indices)
     return state_indices
