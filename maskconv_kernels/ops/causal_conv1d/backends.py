@@ -3,7 +3,9 @@
 * ``"xla"``: :mod:`.xla`, ``masked_conv``'s depthwise maps (every platform, every order
   of derivative);
 * ``"pallas_triton"``: :mod:`.pallas_triton`, fused Pallas kernels lowered through
-  Triton (NVIDIA GPUs, or any platform with ``interpret=True``).
+  Triton (NVIDIA GPUs, or any platform with ``interpret=True``);
+* ``"pallas_mosaic_gpu"``: :mod:`.pallas_mosaic_gpu`, Pallas kernels lowered through
+  Mosaic GPU (Hopper GPUs, or any platform with ``interpret=True``; jax >= 0.11).
 
 ``implementation=None`` takes, when lowered for a platform, the first of :data:`PREFERENCE`
 that runs the problem there: ``"xla"`` everywhere, because on an H200 XLA's fusion of the
@@ -27,6 +29,7 @@ REGISTRY = Registry(
         Implementation("xla", f"{_PACKAGE}.xla", spmd=NATIVE),
         Implementation("pallas_triton", f"{_PACKAGE}.pallas_triton", spmd=BATCH,
                        lowering_warnings=(PALLAS_TRITON_DEPRECATION,)),
+        Implementation("pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", spmd=BATCH, interpreter="effects"),
     ),
     ("xla",),
 )
