@@ -162,8 +162,13 @@ def test_fn_packed_documents_match_the_kernels_seq_idx(implementation):
     """Each document alone, padding (negative ids) zero even with a bias, on every implementation."""
     x = random(5, (2, 8, PACKED.shape[1]))
     weight, bias = random(6, (8, 4), scale=0.5), random(7, (8,))
-    out = compat.causal_conv1d_fn(x, weight, bias, seq_idx=PACKED, activation="silu", implementation=implementation,
-                                  interpret=implementation != "xla")
+    try:
+        out = compat.causal_conv1d_fn(x, weight, bias, seq_idx=PACKED, activation="silu",
+                                      implementation=implementation, interpret=implementation != "xla")
+    except NotImplementedError as error:
+        if "need jax >= " not in str(error):  # only a jax too old for the backend may refuse this problem
+            raise
+        pytest.skip(str(error))
     expected, _ = dao_fn_ref(x, weight, bias, seq_idx=PACKED, activation="silu")
     _assert_out_close(out, expected, x, weight, bias, F32)
     assert not np.asarray(out)[:, :, PACKED[0] < 0][0].any()
