@@ -12,7 +12,7 @@ from jax import lax
 
 __all__ = [
     "is_int", "ints", "padding_pairs", "PADDING_NAMES", "FLOAT_DTYPES", "float_dtype", "precision", "as_operand",
-    "as_segment_ids",
+    "as_segment_ids", "segment_ids_of_positions",
 ]
 
 
@@ -191,3 +191,23 @@ def as_segment_ids(
     if tuple(ids.shape) != expected:
         raise ValueError(f"{name} must have {what} = {expected}, got {tuple(ids.shape)}")
     return ids.astype(np.int32) if dtype.kind == "u" else ids
+
+
+def segment_ids_of_positions(positions, shape, what: str) -> jax.Array:
+    """Packing by positions, as RecurrentGemma's ``segment_pos`` and MaxText's positions
+    describe it, as segment ids: ``int32`` of ``shape``.
+
+    ``positions[b, t]`` is token ``t``'s position in its document: ``0`` starts a new
+    document (anywhere, not only after a change of id), a negative position is padding
+    (a left-padded prompt's). Document ``k`` of a row (counted from 1; 0 is the document
+    the row continues, whose inputs a state holds) gets id ``k``, padding ``-1``: the
+    running count of starts along axis 1. Positions other than 0 are not read otherwise:
+    ``[3, 4, 5]`` continues a document, as ``[7, 8, 9]`` does.
+
+    Raises:
+      TypeError, ValueError: as :func:`as_segment_ids`, naming ``positions``.
+    """
+    positions = as_segment_ids(positions, shape, what, name="positions")
+    starts = jnp.cumsum((positions == 0).astype(jnp.int32), axis=1)
+    return jnp.where(positions < 0, -1, starts)
+

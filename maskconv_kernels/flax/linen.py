@@ -256,7 +256,8 @@ class ShortConv(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, segment_ids: jax.Array | None = None, *, state_indices=None, has_initial_state=None
+        self, x: jax.Array, segment_ids: jax.Array | None = None, *, state_indices=None, has_initial_state=None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         """The convolution, or (decoding) the next tokens.
 
@@ -267,6 +268,10 @@ class ShortConv(nn.Module):
           state_indices, has_initial_state: decoding only, as in :func:`causal_conv1d_update`:
             each row's slot of the state (``-1``: a row without a request), and where a
             row starts a new sequence.
+          positions: ``(N, L)`` (decoding: ``(N, T)``) each token's position in its
+            document, RecurrentGemma's ``segment_pos``: packing by positions instead of
+            ``segment_ids`` (a 0 starts a document, negative is padding), also when
+            decoding, where a document may start inside the chunk.
 
         Returns:
           ``(N, L, D)`` (decoding: shaped like ``x``) in ``dtype``, else x's dtype.
@@ -292,6 +297,7 @@ class ShortConv(nn.Module):
             y, state.value = causal_conv1d_update(
                 x, state.value, weight, bias, activation=self.activation, dilation=self.dilation,
                 state_indices=state_indices, has_initial_state=has_initial_state, implementation=self.implementation,
+                positions=positions,
             )
             return y
         if self.decode:
@@ -299,7 +305,7 @@ class ShortConv(nn.Module):
             self.variable("cache", "conv_state", jnp.zeros, shape, x.dtype)
         return causal_conv1d(
             x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
-            implementation=self.implementation,
+            implementation=self.implementation, positions=positions,
         )
 
 

@@ -358,7 +358,7 @@ class ShortConv(nnx.Module):
 
     def __call__(
         self, x: jax.Array, segment_ids: jax.Array | None = None, *, decode: bool | None = None,
-        state_indices=None, has_initial_state=None,
+        state_indices=None, has_initial_state=None, positions: jax.Array | None = None,
     ) -> jax.Array:
         """The convolution, or (decoding) the next tokens.
 
@@ -368,6 +368,8 @@ class ShortConv(nnx.Module):
           segment_ids: ``(N, L)`` packed documents, as in :func:`causal_conv1d`; not when decoding.
           decode: overrides the module's ``decode`` for this call.
           state_indices, has_initial_state: decoding only, as in :func:`causal_conv1d_update`.
+          positions: ``(N, L)`` (decoding: ``(N, T)``) each token's position in its
+            document, as in the linen module: packing by positions, also when decoding.
         """
         if jnp.shape(x)[-1] != self.features:
             raise ValueError(
@@ -386,6 +388,7 @@ class ShortConv(nnx.Module):
             y, self.conv_state[...] = causal_conv1d_update(
                 x, self.conv_state[...], weight, bias, activation=self.activation, dilation=self.dilation,
                 state_indices=state_indices, has_initial_state=has_initial_state, implementation=self.implementation,
+                positions=positions,
             )
             return y
         if state_indices is not None or has_initial_state is not None:
@@ -395,7 +398,7 @@ class ShortConv(nnx.Module):
             )
         return causal_conv1d(
             x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
-            implementation=self.implementation,
+            implementation=self.implementation, positions=positions,
         )
 
 

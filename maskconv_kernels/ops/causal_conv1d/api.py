@@ -43,6 +43,7 @@ def causal_conv1d(
     implementation: str | None = None,
     interpret: bool = False,
     config=None,
+    positions: jax.typing.ArrayLike | None = None,
 ):
     """Depthwise causal 1-D convolution: ``y[b, l, d] = act(bias[d] + sum_t weight[t, d] * x[b, l - (W-1-t) * dilation, d])``.
 
@@ -54,6 +55,13 @@ def causal_conv1d(
       segment_ids: ``(B, L)`` integers or ``None``: packed documents. No tap crosses a
         document boundary; negative ids mark padding, whose outputs are zero and which
         receives no gradient.
+      positions: ``(B, L)`` integers or ``None``: packed documents described by position
+        instead (RecurrentGemma's ``segment_pos``, MaxText's positions): ``0`` starts a
+        document, anywhere; a negative position is padding. Exclusive with
+        ``segment_ids``. The row's first token continues the document the state holds
+        unless its position is 0 (then the state is not read: its gradient is 0). Read
+        as the segment ids ``cumsum(positions == 0)`` (``-1`` where negative); from
+        segment ids, positions are each token's distance from its document's start.
       initial_state: ``(B, (W - 1) * dilation, D)`` in x's dtype, the inputs before
         ``x[:, 0]`` (zeros when ``None``); differentiable. With ``segment_ids`` it belongs
         to each row's first document.
@@ -64,9 +72,11 @@ def causal_conv1d(
       activation: ``None`` or ``"silu"`` (``"swish"``).
       dilation: the taps' spacing.
       implementation: ``None`` or one of :data:`IMPLEMENTATIONS`: ``"xla"``
-        (``masked_conv``'s depthwise maps, every platform) or ``"pallas_triton"`` (fused
-        kernels: bias, SiLU and selects in one pass; NVIDIA GPUs, or any platform with
-        ``interpret=True``). Both are differentiable to any order, forward and reverse.
+        (``masked_conv``'s depthwise maps, every platform), ``"pallas_triton"`` (fused
+        kernels: bias, SiLU and selects in one pass; NVIDIA GPUs) or
+        ``"pallas_mosaic_gpu"`` (the same through Mosaic GPU; Hopper GPUs, jax >= 0.11);
+        the kernels run on any platform with ``interpret=True``. All are differentiable
+        to any order, forward and reverse.
         ``None``: chosen per platform when lowered, the first of :data:`PREFERENCE` that
         runs the problem there (``"xla"`` today: it was the faster on an H200).
       interpret: run a kernel implementation in its interpreter (any platform, slowly).
@@ -82,7 +92,7 @@ def causal_conv1d(
         be lowered for the platform.
     """
     problem, x, weight, bias, ids, initial_state = make_problem(
-        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation,
+        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation, positions=positions,
     )
     y = forward(OP, problem, x, weight, bias, ids, initial_state, implementation=implementation, interpret=interpret,
                 config=config)

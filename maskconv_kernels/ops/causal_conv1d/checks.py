@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
-from ..._core.args import as_operand, as_segment_ids, is_int
+from ..._core.args import as_operand, as_segment_ids, is_int, segment_ids_of_positions
 from ..._core.errors import OpError
 from ..._core.history import check_history
 
@@ -92,18 +93,50 @@ def check_state(name: str, state, batch: int, state_len: int, d: int, dtype, err
     check_history(err, name, state, (batch, state_len, d), "(B, (W - 1) * dilation, D)", dtype)
 
 
-def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1):
-    """The arguments checked: ``(problem, x, weight, bias, segment_ids, initial_state)``, arrays as arrays."""
+def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1,
+                 positions=None):
+    """The arguments checked: ``(problem, x, weight, bias, segment_ids, initial_state)``, arrays as arrays.
+
+    ``positions`` (packing by positions) comes back as segment ids
+    (:func:`~maskconv_kernels._core.args.segment_ids_of_positions`), with the state of a row
+    whose first token starts a document replaced by zeros (selected, so never read).
+    """
     check_activation(activation)
     x, weight = as_operand("x", x), as_operand("weight", weight)
     bias = None if bias is None else as_operand("bias", bias)
     _, d, state_len = check_operands(x, weight, bias, dilation)
-    ids = None if segment_ids is None else as_segment_ids(segment_ids, x.shape[:-1], "x's shape without D, (B, L)")
+    ids = ids_of(segment_ids, positions, x.shape[:-1], "x's shape without D, (B, L)")
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)
         check_state("initial_state", initial_state, x.shape[0], state_len, d, x.dtype)
+        if positions is not None and x.shape[1]:
+            initial_state = unread_before_a_start(initial_state, ids)
     problem = problem_of(x, weight, bias, ids, initial_state, activation=activation, dilation=dilation)
     return problem, x, weight, bias, ids, initial_state
+
+
+def ids_of(segment_ids, positions, shape, what: str, err: OpError = OP):
+    """Segment ids from either packing convention (``None`` for neither); both is an error."""
+    if positions is None:
+        return None if segment_ids is None else as_segment_ids(segment_ids, shape, what)
+    if segment_ids is not None:
+        raise err.value(
+            "pass segment_ids or positions, not both: they are two ways to say where documents start "
+            "(segment_ids: a change of id; positions: a 0, as RecurrentGemma's segment_pos)"
+        )
+    try:
+        return segment_ids_of_positions(positions, shape, what)
+    except (TypeError, ValueError) as error:
+        raise err.reworded(error) from None
+
+
+def unread_before_a_start(state, ids):
+    """``state (B, F, ...)`` with zeros in the rows whose first token starts a document (id 1 from
+    :func:`~maskconv_kernels._core.args.segment_ids_of_positions`): selected, so a NaN there
+    reaches nothing and its gradient is exactly 0. A state belongs to its row's first
+    token's document; with positions that is document 0, the one the row continues."""
+    continues = ids[:, 0] == 0
+    return jnp.where(continues.reshape((-1,) + (1,) * (state.ndim - 1)), state, jnp.zeros((), state.dtype))
 
 
 def problem_of(x, weight, bias, ids, initial_state, *, activation, dilation) -> Problem:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.args import as_operand
+from ..._core.args import as_operand, as_segment_ids
 from ..._core.errors import OpError
 from ..._core.history import check_dtype
 from .api import causal_conv1d
@@ -46,6 +46,7 @@ def causal_conv1d_step(
     dilation: int = 1,
     implementation: str | None = None,
     interpret: bool = False,
+    positions: jax.typing.ArrayLike | None = None,
 ):
     """One scheduler step: the outputs of every request's tokens, and the pool after them.
 
@@ -99,6 +100,13 @@ def causal_conv1d_step(
         window before this step's tokens ends at the last accepted one, and the state
         written after them holds no rejected input. ``k + 1`` (``state_len - (W - 1) *
         dilation + 1``) for a row whose every previous token was accepted (a prefill).
+      positions: ``(T,)`` non-negative integers or ``None``: each token's position in its
+        document (RecurrentGemma's ``segment_pos``), so that a new document can start
+        inside a request's tokens, a multi-token decode chunk included: from a ``0`` on,
+        the request's tokens read nothing before it, and the state written holds the
+        last document's inputs, zeros before its start. A request whose first token is
+        at position 0 does not read its slot. Not with ``block_size`` (prefix caching
+        counts a request's tokens as one document).
 
     Returns:
       ``y (T, D)`` in x's dtype (zeros at padding and pad rows), and the new pool (same
@@ -119,6 +127,7 @@ def causal_conv1d_step(
                                                                     "b", OP)
     blocks = _check_blocks(block_size, block_indices, num_computed_tokens, requests, slots)
     accepted = None if num_accepted_tokens is None else _check_accepted(num_accepted_tokens, requests, state_len, window)
+    starts = None if positions is None else _check_positions(positions, x.shape[0], blocks)
 
     rows = read_slots(pool, read)
     if accepted is not None:
@@ -127,10 +136,14 @@ def causal_conv1d_step(
         rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
     rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
     owner = _owners(qsl, x.shape[0])  # (T,): each token's request, R for padding
-    y = _outputs(x, rows[:, state_len - window:].astype(x.dtype), weight, bias, qsl, owner, read, window,
+    documents = None if starts is None else _documents(starts, qsl, owner)
+    y = _outputs(x, rows[:, state_len - window:].astype(x.dtype), weight, bias, qsl, owner, read, window, documents,
                  activation=activation, dilation=dilation, implementation=implementation, interpret=interpret)
     counts = qsl[1:] - qsl[:-1]
-    new_pool = write_slots(pool, write, _state_after(rows, x, qsl, counts))
+    state = _state_after(rows, x, qsl, counts)
+    if starts is not None:
+        state = _from_last_start(state, starts, qsl, owner)
+    new_pool = write_slots(pool, write, state)
     if blocks is not None:
         new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
     return y, new_pool
@@ -146,18 +159,44 @@ def _owners(qsl: jax.Array, tokens: int) -> jax.Array:
     return jnp.cumsum(ends)[:tokens]
 
 
-def _outputs(x, before, weight, bias, qsl, owner, read, window: int, **conv):
+def _documents(starts, qsl, owner) -> jax.Array:
+    """``(T,)`` int32: each token's document within its request, 0 for the one its slot
+    holds, counting the document starts (``starts``, position 0) from the request's first token."""
+    counted = jnp.cumsum(starts.astype(jnp.int32))
+    before = jnp.concatenate([jnp.zeros((1,), jnp.int32), counted])[qsl[:-1]]  # (R,): starts before each request
+    return counted - jnp.take(before, jnp.minimum(owner, qsl.shape[0] - 2))
+
+
+def _from_last_start(state, starts, qsl, owner):
+    """``state (R, state_len, D)`` (the last inputs of each request's slot ++ tokens) with zeros
+    before the request's last document start among its tokens (none: unchanged)."""
+    requests, state_len = state.shape[:2]
+    tokens = starts.shape[0]
+    within = jnp.arange(tokens) - jnp.take(qsl, jnp.minimum(owner, requests))  # index among the request's tokens
+    last = jnp.full((requests,), -1, jnp.int32).at[owner].max(jnp.where(starts, within, -1), mode="drop")
+    counts = qsl[1:] - qsl[:-1]
+    # In the state's coordinates: entry j holds (slot ++ tokens)[counts + j]; the start is at state_len + last.
+    q = counts[:, None] + jnp.arange(state_len)
+    keep = (last[:, None] < 0) | (q >= state_len + last[:, None])
+    return jnp.where(keep[..., None], state, jnp.zeros((), state.dtype))
+
+
+def _outputs(x, before, weight, bias, qsl, owner, read, window: int, documents=None, **conv):
     """``y (T, D)``: ``causal_conv1d`` on the extended sequence, request ``r``'s ``window``
     state inputs before its tokens, its index as their segment id (``-1`` for pad rows and
-    padding: zero outputs, read by nobody)."""
+    padding: zero outputs, read by nobody). With ``documents`` (each token's document
+    within its request, 0 the slot's), request ``r``'s document ``k`` gets id
+    ``r * (T + 1) + k``, its state ``r * (T + 1)``."""
     tokens, requests = x.shape[0], before.shape[0]
     extended = tokens + requests * window
+    stride = 1 if documents is None else tokens + 1
     # Token t of request r sits after the r + 1 states before it; padding tokens go nowhere.
     at = jnp.where(owner < requests, jnp.arange(tokens) + (owner + 1) * window, extended)
-    ids = jnp.where(owner < requests, owner, -1)
+    ids = jnp.where(owner < requests, owner * stride + (0 if documents is None else documents), -1)
     ids = jnp.where(jnp.take(read, jnp.minimum(owner, requests - 1)) == PAD_SLOT_ID, -1, ids)
     state_at = (qsl[:-1] + jnp.arange(requests) * window)[:, None] + jnp.arange(window)  # (R, window)
-    state_ids = jnp.broadcast_to(jnp.where(read == PAD_SLOT_ID, -1, jnp.arange(requests))[:, None], state_at.shape)
+    state_ids = jnp.where(read == PAD_SLOT_ID, -1, jnp.arange(requests) * stride)
+    state_ids = jnp.broadcast_to(state_ids[:, None], state_at.shape)
     xe = jnp.zeros((extended, x.shape[1]), x.dtype).at[state_at.reshape(-1)].set(before.reshape(-1, x.shape[1]))
     xe = xe.at[at].set(x, mode="drop")
     ide = jnp.full((extended,), -1, jnp.int32).at[state_at.reshape(-1)].set(state_ids.reshape(-1))
@@ -229,6 +268,16 @@ def _check_query_start_loc(qsl, tokens: int):
              f"query_start_loc must start at 0, never decrease and end at most at T = {tokens} (the tokens of x), "
              "got {query_start_loc}", query_start_loc=qsl)
     return qsl.astype(jnp.int32)
+
+
+def _check_positions(positions, tokens: int, blocks):
+    if blocks is not None:
+        raise OP.value("positions with block_size: prefix caching counts a request's tokens as one document; pass "
+                       "one or the other")
+    positions = as_segment_ids(positions, (tokens,), "x's shape without D, (T,)", name="positions")
+    OP.check(positions >= 0, "positions must be non-negative (the step's padding is the tokens after "
+             "query_start_loc[-1] and the pad rows), got {positions}", positions=positions)
+    return positions == 0
 
 
 def _check_accepted(accepted, requests: int, state_len: int, window: int):

@@ -15,7 +15,8 @@ from .api import forward
 from ..._core.args import as_operand
 from ..._core.errors import OpError
 from ..._core.history import History, Ring, check_dtype
-from .checks import check_activation, check_operands, problem_of
+from .checks import check_activation, check_operands, ids_of, problem_of, unread_before_a_start
+from .state import final_state
 
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
@@ -41,6 +42,7 @@ def causal_conv1d_update(
     has_initial_state: jax.typing.ArrayLike | None = None,
     implementation: str | None = None,
     interpret: bool = False,
+    positions: jax.typing.ArrayLike | None = None,
 ):
     """New tokens of each row from its slot of a state pool: ``(y, new_conv_state)``.
 
@@ -53,7 +55,7 @@ def causal_conv1d_update(
     empty slot gives the full forward's outputs bit for bit wherever XLA compiles the
     two programs' arithmetic alike. (It need not: LLVM may contract a product and an add
     into one FMA, choosing per program, and vector and scalar code may evaluate SiLU
-    differently; the README's *Serving* section says where this was seen.)
+    differently; the docs' *where bit for bit stops* page says where this was seen.)
 
     Under ``jax.jit(..., donate_argnums=1)`` the pool is updated in place: one gather of
     the rows' slots, one scatter of them back, no copy of the pool.
@@ -74,6 +76,13 @@ def causal_conv1d_update(
         are NaN, so the error shows, unless ``has_initial_state`` is false there), as
         jax's ``mode="fill"`` gathers and ``mode="drop"`` scatters do, and two rows naming
         one slot write it in an unspecified order.
+      positions: ``(B, T)`` (or ``(B,)`` for one token) integers or ``None``: each
+        token's position in its document (RecurrentGemma's ``segment_pos``), so that a
+        document may start inside a chunk: a ``0`` starts one (the tokens from there on
+        read nothing before it), a negative position is padding (zero output). The slot
+        is read only if the row's first token continues its document (position not 0),
+        and keeps the last document's inputs, zeros before its start
+        (:func:`~.api.causal_conv1d`'s ``positions``). Linear states only.
       cache_seqlens: ``(B,)`` integers or ``None``: how many inputs each row's sequence
         had before ``x`` (circular mode). The window before ``x`` is read at positions
         ``(cache_seqlens - (W - 1) * dilation ... cache_seqlens - 1) % state_len``; the
@@ -105,21 +114,34 @@ def causal_conv1d_update(
             raise OP.value("cache_seqlens (a circular state) needs conv_state with state_len >= 1, got 0")
     if has_initial_state is not None:
         has_initial_state = check_row_values("has_initial_state", has_initial_state, batch, "b")
+    ids = None
+    if positions is not None:
+        if cache_seqlens is not None:
+            raise OP.value("positions takes linear states only: a circular slot (cache_seqlens) has no place for a "
+                           "document's start; pass one or the other")
+        positions = jnp.asarray(positions)
+        ids = ids_of(None, positions[:, None] if one_token else positions, xt.shape[:2],
+                     "(B, T), or (B,) for one token", OP)
 
     rows = conv_state if indices is None else read_slots(conv_state, indices)
     if has_initial_state is not None:
         rows = jnp.where(has_initial_state[:, None, None], rows, jnp.zeros((), rows.dtype))
+    if ids is not None and tokens:
+        rows = unread_before_a_start(rows, ids)
     if cache_seqlens is None:  # the slot is the sequence's last state_len inputs
         slot = History(rows)
         before = rows[:, state_len - window :]
-        new_rows = slot.after(slot.extend(xt)[0]).inputs
+        if ids is None:
+            new_rows = slot.after(slot.extend(xt)[0]).inputs
+        else:  # the last document's inputs, zeros before its start
+            new_rows = final_state(xt, rows, ids, state_len)
     else:
         ring = Ring(state_len)
         before = ring.read(rows, cache_seqlens, window)
         new_rows = ring.write(rows, cache_seqlens, xt)
     # The arguments were checked above: the problem is built once, not checked again.
-    problem = problem_of(xt, weight, bias, None, before, activation=activation, dilation=dilation)
-    y = forward(OP, problem, xt, weight, bias, None, before, implementation=implementation, interpret=interpret,
+    problem = problem_of(xt, weight, bias, ids, before, activation=activation, dilation=dilation)
+    y = forward(OP, problem, xt, weight, bias, ids, before, implementation=implementation, interpret=interpret,
                 config=None)
     if indices is None:
         new_state = new_rows
