@@ -11,6 +11,8 @@ same message under ``checkify.checkify`` and compiles to nothing without it.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,17 @@ class OpError:
             checkify.debug_check(jnp.all(ok), f"{self.op}: {message}", **{k: jnp.asarray(v) for k, v in values.items()})
         elif not np.all(np.asarray(ok)):
             raise self.value(message.format(**{k: np.asarray(v) for k, v in values.items()}))
+
+    @contextlib.contextmanager
+    def words(self):
+        """Inside it, a shared normaliser's ``TypeError`` or ``ValueError`` (whose message names
+        the argument) is raised again with the op in front, unless it already names the op."""
+        try:
+            yield
+        except (TypeError, ValueError) as error:
+            if str(error).startswith(self.op):
+                raise
+            raise self.reworded(error) from None
 
     def reworded(self, error: Exception) -> Exception:
         """A shared normaliser's error (it names the argument) with the op in front."""

@@ -101,7 +101,7 @@ def time_conv(op: str, problem: Problem, implementation, interpret, config, *, s
     else:
         # The problem alone here; the platform when the function is lowered. The
         # registry's errors say "causal_conv(implementation=...)": the op's own words.
-        REGISTRY.check(implementation, problem.spec, interpret, config)
+        REGISTRY.check(implementation, problem.spec, interpret, config, op=op)
     # Said here, in the op's words; masked_conv then gets interpret=False and says nothing.
     interpret = interpret and not nothing_to_interpret(op, REGISTRY, implementation, interpret)
     return TimeConv(problem, stride, dilation, implementation, interpret, config)

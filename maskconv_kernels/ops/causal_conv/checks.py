@@ -101,8 +101,9 @@ def make_problem(
     ...). The arrays may be tracers; shapes and dtypes are checked, values are not.
     """
     err = OpError(op)
-    x, kernel = as_operand("x", x), as_operand("kernel", kernel)
-    bias = None if bias is None else as_operand("bias", bias)
+    with err.words():
+        x, kernel = as_operand("x", x), as_operand("kernel", kernel)
+        bias = None if bias is None else as_operand("bias", bias)
     if len(x.shape) not in (3, 4, 5):
         hint = ": x needs a batch axis and a channel axis, x[None, :, None] gives (1, T, 1)" if len(x.shape) == 1 else (
             ": x needs a batch axis (x[None]) or a channel axis (x[..., None])" if len(x.shape) == 2 else "")

@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ..._core.args import as_operand, as_segment_ids, is_int, segment_ids_of_positions
+from ..._core.args import as_operand, as_segment_ids, float_dtype, is_int, segment_ids_of_positions
 from ..._core.errors import OpError
 from ..._core.history import check_history
 
@@ -61,7 +61,11 @@ def check_activation(activation, err: OpError = OP) -> None:
 
 
 def check_operands(x, weight, bias, dilation, err: OpError = OP) -> tuple[int, int, int]:
-    """The shapes shared by the full convolution and the decode step; returns ``(W, D, state length)``."""
+    """The shapes and dtypes shared by the full convolution and the decode step; returns ``(W, D, state length)``."""
+    with err.words():
+        for name, operand in (("x", x), ("weight", weight), ("bias", bias)):
+            if operand is not None:
+                float_dtype(f"{name} must have", operand.dtype)
     if x.ndim != 3:
         raise err.value(
             f"x must be (B, L, D), channels-last (batch, positions, channels), got shape {tuple(x.shape)}"
@@ -102,8 +106,9 @@ def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, 
     whose first token starts a document replaced by zeros (selected, so never read).
     """
     check_activation(activation)
-    x, weight = as_operand("x", x), as_operand("weight", weight)
-    bias = None if bias is None else as_operand("bias", bias)
+    with OP.words():
+        x, weight = as_operand("x", x), as_operand("weight", weight)
+        bias = None if bias is None else as_operand("bias", bias)
     _, d, state_len = check_operands(x, weight, bias, dilation)
     ids = ids_of(segment_ids, positions, x.shape[:-1], "x's shape without D, (B, L)")
     if initial_state is not None:
@@ -118,16 +123,17 @@ def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, 
 def ids_of(segment_ids, positions, shape, what: str, err: OpError = OP):
     """Segment ids from either packing convention (``None`` for neither); both is an error."""
     if positions is None:
-        return None if segment_ids is None else as_segment_ids(segment_ids, shape, what)
+        if segment_ids is None:
+            return None
+        with err.words():
+            return as_segment_ids(segment_ids, shape, what)
     if segment_ids is not None:
         raise err.value(
             "pass segment_ids or positions, not both: they are two ways to say where documents start "
             "(segment_ids: a change of id; positions: a 0, as RecurrentGemma's segment_pos)"
         )
-    try:
+    with err.words():
         return segment_ids_of_positions(positions, shape, what)
-    except (TypeError, ValueError) as error:
-        raise err.reworded(error) from None
 
 
 def unread_before_a_start(state, ids):

@@ -112,8 +112,9 @@ def causal_conv1d_step(
       ``y (T, D)`` in x's dtype (zeros at padding and pad rows), and the new pool (same
       shape and dtype).
     """
-    x, weight, pool = as_operand("x", x), as_operand("weight", weight), as_operand("pool", pool)
-    bias = None if bias is None else as_operand("bias", bias)
+    with OP.words():
+        x, weight, pool = as_operand("x", x), as_operand("weight", weight), as_operand("pool", pool)
+        bias = None if bias is None else as_operand("bias", bias)
     check_activation(activation, OP)
     if x.ndim != 2:
         raise OP.value(f"x must be (T, D), the step's tokens back to back, got shape {tuple(x.shape)}")
@@ -274,7 +275,8 @@ def _check_positions(positions, tokens: int, blocks):
     if blocks is not None:
         raise OP.value("positions with block_size: prefix caching counts a request's tokens as one document; pass "
                        "one or the other")
-    positions = as_segment_ids(positions, (tokens,), "x's shape without D, (T,)", name="positions")
+    with OP.words():
+        positions = as_segment_ids(positions, (tokens,), "x's shape without D, (T,)", name="positions")
     OP.check(positions >= 0, "positions must be non-negative (the step's padding is the tokens after "
              "query_start_loc[-1] and the pad rows), got {positions}", positions=positions)
     return positions == 0

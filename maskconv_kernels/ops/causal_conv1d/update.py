@@ -97,9 +97,10 @@ def causal_conv1d_update(
       :func:`~.api.causal_conv1d`), and the new pool (same shape and dtype as ``conv_state``).
     """
     check_activation(activation, OP)
-    x, weight = as_operand("x", x), as_operand("weight", weight)
-    conv_state = as_operand("conv_state", conv_state)
-    bias = None if bias is None else as_operand("bias", bias)
+    with OP.words():
+        x, weight = as_operand("x", x), as_operand("weight", weight)
+        conv_state = as_operand("conv_state", conv_state)
+        bias = None if bias is None else as_operand("bias", bias)
     if x.ndim not in (2, 3):
         raise OP.value(f"x must be (B, T, D), or (B, D) for one token, got shape {tuple(x.shape)}")
     one_token = x.ndim == 2

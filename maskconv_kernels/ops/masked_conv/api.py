@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ..._core.args import as_operand, as_segment_ids
+from ..._core.errors import OpError
 from ..._moved import warn
 from .._interpret import nothing_to_interpret
 from . import backends as _backends
@@ -20,6 +21,8 @@ from .backends import IMPLEMENTATIONS, PREFERENCE
 from .spec import make_spec
 
 __all__ = ["masked_conv", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
+
+OP = OpError("masked_conv")
 
 # Old implementation names, accepted with a DeprecationWarning until _moved.REMOVED_IN.
 _RENAMED = {"pallas": "pallas_triton"}
@@ -136,20 +139,21 @@ def masked_conv(
         (when called), or cannot run on a platform the function is lowered for (when
         lowered; e.g. a GPU backend lowered for CPU without ``interpret=True``).
     """
-    if not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be True or False, got {interpret!r}")
-    strides = _one_spelling("strides", strides, "window_strides", window_strides)
-    dilation = _one_spelling("dilation", dilation, "rhs_dilation", rhs_dilation)
-    x, kernel = as_operand("x", x), as_operand("kernel", kernel)
-    spec = make_spec(
-        x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
-        feature_group_count=feature_group_count, precision=precision,
-        preferred_element_type=preferred_element_type, lhs_dilation=lhs_dilation,
-        dimension_numbers=dimension_numbers, batch_group_count=batch_group_count, segmented=segment_ids is not None,
-    )
-    layout = spec.layout
-    if segment_ids is not None:
-        segment_ids = layout.segment_ids(as_segment_ids(segment_ids, layout.segment_ids_shape(x.shape)))
+    with OP.words():
+        if not isinstance(interpret, bool):
+            raise TypeError(f"interpret must be True or False, got {interpret!r}")
+        strides = _one_spelling("strides", strides, "window_strides", window_strides)
+        dilation = _one_spelling("dilation", dilation, "rhs_dilation", rhs_dilation)
+        x, kernel = as_operand("x", x), as_operand("kernel", kernel)
+        spec = make_spec(
+            x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
+            feature_group_count=feature_group_count, precision=precision,
+            preferred_element_type=preferred_element_type, lhs_dilation=lhs_dilation,
+            dimension_numbers=dimension_numbers, batch_group_count=batch_group_count, segmented=segment_ids is not None,
+        )
+        layout = spec.layout
+        if segment_ids is not None:
+            segment_ids = layout.segment_ids(as_segment_ids(segment_ids, layout.segment_ids_shape(x.shape)))
     backend = None
     if implementation is not None:
         if implementation in _RENAMED:
@@ -158,7 +162,7 @@ def masked_conv(
         # The problem alone here; the platform when the function is lowered.
         backend = _backends.REGISTRY.check(implementation, spec, interpret, config)
     elif config is not None:
-        raise ValueError("config= is the config of one backend: name it with implementation=")
+        raise OP.value("config= is the config of one backend: name it with implementation=")
     interpret = interpret and not nothing_to_interpret("masked_conv", _backends.REGISTRY, implementation, interpret)
     x, kernel = layout.x(x), layout.kernel(kernel)
     if 0 in spec.out_spatial:
