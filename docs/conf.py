@@ -77,7 +77,7 @@ def _join_wrapped_names(app, what, name, obj, options, lines):
         if header:
             section, item = len(header.group(1)), None
         elif section is not None and line.strip():
-            indent = len(line) - len(line.lstrip())
+            indent = _indent(line)
             if indent <= section:
                 section = None
             else:

@@ -13,6 +13,7 @@ import jax
 
 __all__ = [
     "SM_COUNT", "COMPUTE_CAPABILITY", "DEVICE_KIND", "SMEM_BYTES", "TL_DOT_MIN_BLOCK", "sm_count", "gpu_target",
+    "jax_version", "attached_compute_capability",
 ]
 
 # Streaming multiprocessors of an H100 SXM / H200: the count when no GPU is attached to ask.
@@ -35,6 +36,22 @@ def sm_count() -> int:
     except RuntimeError:  # no GPU backend in this process
         return SM_COUNT
     return int(count) if count else SM_COUNT
+
+
+def jax_version() -> tuple[int, int]:
+    """jax's ``(major, minor)``: what a backend compares with the release its kernels need."""
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def attached_compute_capability() -> tuple[int, int] | None:
+    """The attached GPU's compute capability, ``(9, 0)`` on Hopper; ``None`` without one
+    (lowering ahead of time targets :data:`COMPUTE_CAPABILITY`, sm_90)."""
+    try:
+        major, minor = str(jax.devices("gpu")[0].compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    except Exception:  # no GPU backend here
+        return None
 
 
 @contextlib.contextmanager

@@ -29,9 +29,12 @@ import test_causal_conv1d as shared  # the shared cases: this directory is on sy
 from support.implementations import ON_GPU
 from support.lowering import cuda_lowering
 from support.numerics import assert_close, random
+from support.short_conv_kernels import (
+    check_against_oracles, check_derivatives_of_every_order, check_nan_isolation, check_packed_equals_alone,
+)
 from support.tiers import tiered
 
-from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d, causal_conv1d_reference
+from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_gpu import DTYPES, KERNELS, Config
 
@@ -59,37 +62,8 @@ def _check(case, config=SMALL, seed=0, batch=2):
     x, w, b, state = shared._inputs(seed, batch, length, dim, width, x_dtype, w_dtype, dilation)
     dy = random(seed + 4, x.shape, x_dtype)
     ids = shared._ids(seed + 5, batch, length) if segmented else None
-    b = b if bias else None
-    state = state if stateful else None
-    kw = dict(segment_ids=ids, activation=activation, dilation=dilation)
-
-    def mosaic(x, w, b, state):
-        return conv(config=config, **kw)(x, w, b, initial_state=state, return_final_state=True)
-
-    (y, final), vjp = jax.vjp(mosaic, x, w, b, state)
-    ry, rfinal = causal_conv1d_reference(x, w, b, initial_state=state, return_final_state=True, **kw)
-    assert y.dtype == x_dtype and final.dtype == x_dtype
-    scale = float(np.abs(np.asarray(x, np.float64)).max() * np.abs(np.asarray(w, np.float64)).max()) + 1
-    assert_close(y, ry, x_dtype, width, scale)
-    np.testing.assert_array_equal(np.asarray(final, np.float64), rfinal)  # copies, not sums
-
-    grads = vjp((dy, jnp.zeros_like(final)))
-    with jax.enable_x64(True):
-        as64 = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-        _, vjp64 = jax.vjp(lambda x, w, b, s: conv("xla", **kw)(x, w, b, initial_state=s),
-                           as64(x), as64(w), as64(b), as64(state))
-        expected = vjp64(as64(dy))
-    scale = float(np.abs(np.asarray(dy, np.float64)).max()) * max(1.0, float(np.abs(np.asarray(x, np.float64)).max()))
-    scale *= max(1.0, float(np.abs(np.asarray(w, np.float64)).max())) * (width + 1)
-    for name, got, want, reduction, like in zip(
-        ("dx", "dweight", "dbias", "dinitial_state"), grads, expected, (width, batch * length, batch * length, width),
-        (x, w, b, state),
-    ):
-        if like is None:
-            assert got is None, name
-            continue
-        assert got.dtype == like.dtype, name
-        assert_close(got, want, got.dtype, reduction, scale)
+    check_against_oracles(lambda x, w, b, **kw: conv(config=config)(x, w, b, **kw), x, w, b if bias else None,
+                          state if stateful else None, dy, ids, activation=activation, dilation=dilation)
 
 
 # The shared grid; the README's command runs Mamba's case (16-bit activations, float32
@@ -122,40 +96,13 @@ def test_mosaic_nan_in_one_document_reaches_no_other_and_gradients_stay_inside()
     x, w, b, state = shared._inputs(7, batch, length, dim, width, F32, F32)
     ids = shared._ids(8, batch, length)
     ids[0] = np.where(ids[0] >= 0, ids[0] + 100, ids[0])  # row 0's documents are not row 1's
-    f = jax.jit(lambda x, state: conv(segment_ids=ids, activation="silu")(x, w, b, initial_state=state))
-    clean = np.asarray(f(x, state))
-    doc = int(ids[1, 0])
-    poisoned = jnp.where(jnp.asarray(ids != doc)[..., None], jnp.nan, x)  # every other document and the padding
-    y = np.asarray(f(poisoned, state))
-    np.testing.assert_array_equal(y[ids == doc], clean[ids == doc])
-    assert (y[ids < 0] == 0).all()
-    # The gradient of one document's outputs is exactly 0.0 outside it; the state
-    # belongs to each row's first document.
-    gx, gs = jax.grad(lambda x, s: jnp.where(jnp.asarray(ids == doc)[..., None], f(x, s), 0).sum(), (0, 1))(x, state)
-    gx, gs = np.asarray(gx), np.asarray(gs)
-    assert (gx[ids != doc] == 0).all()
-    assert (gs[0] == 0).all() and np.abs(gs[1]).sum() > 0
-    assert np.abs(gx[ids == doc]).sum() > 0
+    check_nan_isolation(lambda x, s: conv(segment_ids=ids, activation="silu")(x, w, b, initial_state=s), x, state, ids)
 
 
 @needs_mosaic
 @pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=pytest.mark.slow)], ids=str)
 def test_mosaic_packed_documents_equal_documents_run_alone_bit_for_bit(dtype):
-    """Packed into one row, each document's outputs are its outputs alone (in its own row,
-    right-padded to the packed length), bit for bit."""
-    lengths, dim, width = [13, 1, 20], 24, 4
-    docs = [random(20 + i, (n, dim), dtype) for i, n in enumerate(lengths)]
-    w, b = random(1, (width, dim), np.float32, scale=0.5), random(2, (dim,), np.float32)
-    total = sum(lengths)
-    packed = jnp.concatenate(docs)[None]
-    packed_ids = np.concatenate([np.full(n, 7 + i) for i, n in enumerate(lengths)])[None].astype(np.int32)
-    alone = jnp.stack([jnp.zeros((total, dim), dtype).at[:n].set(d) for d, n in zip(docs, lengths)])
-    alone_ids = np.stack([np.where(np.arange(total) < n, 3, -1) for n in lengths]).astype(np.int32)
-    f = jax.jit(lambda x, ids: conv(segment_ids=ids, activation="silu")(x, w, b))
-    y, y_alone = np.asarray(f(packed, packed_ids))[0], np.asarray(f(alone, alone_ids))
-    starts = np.cumsum([0, *lengths])
-    for i, n in enumerate(lengths):
-        np.testing.assert_array_equal(y[starts[i]:starts[i] + n], y_alone[i, :n])
+    check_packed_equals_alone(lambda x, w, b, ids: conv(segment_ids=ids, activation="silu")(x, w, b), dtype)
 
 
 # --------------------------------------------------------------------------- derivatives through the op's primitives
@@ -172,22 +119,7 @@ def test_mosaic_derivatives_of_every_order_match_the_xla_implementation():
     kw = dict(segment_ids=ids, activation="silu", dilation=2)
     mosaic = lambda x, w, b, s: conv(**kw)(x, w, b, initial_state=s)  # noqa: E731
     xla = lambda x, w, b, s: conv("xla", **kw)(x, w, b, initial_state=s)  # noqa: E731
-    args = (x, w, b, state)
-    loss = lambda f: lambda *a: jnp.sum(jnp.tanh(f(*a)) ** 2)  # noqa: E731
-    scale = float(np.abs(x).max() * np.abs(w).max() * 3)
-
-    def close(a, e, reduction):
-        assert_close(a, e, F32, reduction, max(scale, float(np.abs(np.asarray(e)).max())))
-
-    close(jax.jvp(mosaic, args, args)[1], jax.jvp(xla, args, args)[1], 2 * 3 * 2)
-    second = lambda f: jax.grad(lambda w: jnp.sum(jax.grad(loss(f), argnums=0)(x, w, b, state) ** 2))  # noqa: E731
-    close(second(mosaic)(w), second(xla)(w), 2 * 11 * 3 * 4)
-    hessian = lambda f: jax.hessian(lambda b: loss(f)(x, w, b, state))(b)  # noqa: E731
-    close(hessian(mosaic), hessian(xla), 2 * 11 * 4)
-    transposed = jax.linear_transpose(lambda t: jax.jvp(lambda x: mosaic(x, w, b, state), (x,), (t,))[1], x)
-    reverse = jax.vjp(lambda x: mosaic(x, w, b, state), x)[1]
-    ones = jnp.ones_like(x)
-    close(transposed(ones)[0], reverse(ones)[0], 3 * 2)
+    check_derivatives_of_every_order(mosaic, xla, x, w, b, state)
 
 
 @needs_mosaic

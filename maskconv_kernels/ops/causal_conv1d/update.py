@@ -120,7 +120,8 @@ def causal_conv1d_update(
         if cache_seqlens is not None:
             raise OP.value("positions takes linear states only: a circular slot (cache_seqlens) has no place for a "
                            "document's start; pass one or the other")
-        positions = jnp.asarray(positions)
+        with OP.words():
+            positions = jnp.asarray(positions)
         ids = ids_of(None, positions[:, None] if one_token else positions, xt.shape[:2],
                      "(B, T), or (B,) for one token", OP)
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...._core.hardware import attached_compute_capability, jax_version
 from ..checks import Problem
 from .config import KERNELS, Config
 
@@ -33,16 +34,12 @@ _HOPPER = (9, 0)
 _INT32_LIMIT = 2**31
 
 
-def _jax_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in jax.__version__.split(".")[:2])
-
-
 def unsupported(problem: Problem, platform: str | None, interpret: bool = False) -> str | None:
     """Why the Mosaic GPU kernels cannot run ``problem`` lowered for ``platform`` (``None`` when they can).
 
     ``platform``: a lowering platform (``"cuda"``), or ``None`` to ask about the problem alone.
     """
-    if _jax_version() < _MIN_JAX:
+    if jax_version() < _MIN_JAX:
         return (
             f"jax {jax.__version__}: the Mosaic GPU kernels need jax >= 0.11 (plgpu.kernel and, off a GPU, "
             "its interpreter; implementation='xla' takes it)"
@@ -60,20 +57,10 @@ def unsupported(problem: Problem, platform: str | None, interpret: bool = False)
             f'platform "{platform}": the kernels lower through Mosaic GPU for NVIDIA Hopper (pass interpret=True '
             "to run them in Mosaic GPU's interpreter, or use implementation='xla')"
         )
-    capability = _compute_capability()
+    capability = attached_compute_capability()
     if capability is not None and capability < _HOPPER:
         return f"compute capability {capability[0]}.{capability[1]}: Mosaic GPU targets Hopper (sm_90) and later"
     return None
-
-
-def _compute_capability() -> tuple[int, int] | None:
-    """The attached GPU's compute capability; ``None`` without one (lowering ahead of time
-    targets :data:`~maskconv_kernels._core.hardware.COMPUTE_CAPABILITY`, sm_90)."""
-    try:
-        major, minor = str(jax.devices("gpu")[0].compute_capability).split(".")[:2]
-        return int(major), int(minor)
-    except Exception:  # no GPU backend here
-        return None
 
 
 def forward(operands: dict, *, problem: Problem, config: Config | None = None, interpret: bool = False):

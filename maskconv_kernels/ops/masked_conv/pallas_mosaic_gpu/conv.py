@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...._core.hardware import attached_compute_capability, jax_version
 from ...._core.tiling import round_up
 from ..spec import ConvSpec
 from . import grid as _grid
@@ -20,11 +21,7 @@ __all__ = ["unsupported", "forward", "input_grad", "weight_grad"]
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _INT32_LIMIT = 2**31
 _MIN_JAX = (0, 11)
-_HOPPER = "9.0"
-
-
-def _jax_version() -> tuple[int, ...]:
-    return tuple(int(p) for p in jax.__version__.split(".")[:2])
+_HOPPER = (9, 0)
 
 
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
@@ -32,7 +29,7 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
 
     ``platform``: a lowering platform (``"cuda"``), or ``None`` to ask about the problem alone.
     """
-    if _jax_version() < _MIN_JAX:
+    if jax_version() < _MIN_JAX:
         return (
             f"jax {jax.__version__}: the Mosaic GPU kernels need jax >= 0.11 (plgpu.kernel's pipelines and, "
             "off a GPU, its interpreter)"
@@ -56,19 +53,10 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
             f'platform "{platform}": the kernels lower through Mosaic GPU for NVIDIA Hopper '
             "(pass interpret=True to run them in Mosaic GPU's interpreter)"
         )
-    capability = _compute_capability()
+    capability = attached_compute_capability()
     if capability is not None and capability != _HOPPER:
-        return f"compute capability {capability}: the kernels use Hopper's wgmma (sm_90a)"
+        return f"compute capability {capability[0]}.{capability[1]}: the kernels use Hopper's wgmma (sm_90a)"
     return None
-
-
-def _compute_capability() -> str | None:
-    """The attached GPU's compute capability (``"9.0"``); ``None`` without one (lowering
-    ahead of time targets :data:`~maskconv_kernels._core.hardware.COMPUTE_CAPABILITY`, sm_90)."""
-    try:
-        return str(jax.devices("gpu")[0].compute_capability)
-    except Exception:  # no GPU backend here
-        return None
 
 
 def _tiles(job) -> Config:
