@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.numerics import assert_close, random
+from support.short_conv_kernels import implementation_params
 from support.tiers import tiered
 
 from maskconv_kernels.compat import causal_conv1d as compat
-from maskconv_kernels.ops.causal_conv1d import IMPLEMENTATIONS
 
 F32, BF16 = np.dtype("float32"), np.dtype(jnp.bfloat16)
 
@@ -157,18 +157,13 @@ def test_fn_matches_causal_conv1d_ref(batch, dim, seqlen, width, dtype, has_bias
 PACKED = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, -1, -1], [5, 5, 5, 5, 5, 5, 7, 7, -1, 3, 3, 3]], np.int32)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", implementation_params())
 def test_fn_packed_documents_match_the_kernels_seq_idx(implementation):
     """Each document alone, padding (negative ids) zero even with a bias, on every implementation."""
     x = random(5, (2, 8, PACKED.shape[1]))
     weight, bias = random(6, (8, 4), scale=0.5), random(7, (8,))
-    try:
-        out = compat.causal_conv1d_fn(x, weight, bias, seq_idx=PACKED, activation="silu",
-                                      implementation=implementation, interpret=implementation != "xla")
-    except NotImplementedError as error:
-        if "need jax >= " not in str(error):  # only a jax too old for the backend may refuse this problem
-            raise
-        pytest.skip(str(error))
+    out = compat.causal_conv1d_fn(x, weight, bias, seq_idx=PACKED, activation="silu", implementation=implementation,
+                                  interpret=implementation != "xla")
     expected, _ = dao_fn_ref(x, weight, bias, seq_idx=PACKED, activation="silu")
     _assert_out_close(out, expected, x, weight, bias, F32)
     assert not np.asarray(out)[:, :, PACKED[0] < 0][0].any()

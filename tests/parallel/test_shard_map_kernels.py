@@ -15,10 +15,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from support.implementations import BACKENDS
 from support.numerics import random
+from support.short_conv_kernels import implementation_params
 from support.tiers import tiered
 
 import maskconv_kernels as mk
-from maskconv_kernels.ops.causal_conv1d.backends import REGISTRY as CAUSAL_CONV1D
 from maskconv_kernels.parallel import sequence_sharded_causal_conv1d, spatially_sharded_masked_conv
 
 
@@ -50,7 +50,7 @@ def test_masked_conv_inside_shard_map(name):
     _same(jax.jit(jax.grad(loss(sharded), (0, 1)))(x, k), jax.jit(jax.grad(loss(conv), (0, 1)))(x, k))
 
 
-@pytest.mark.parametrize("implementation", CAUSAL_CONV1D.names)
+@pytest.mark.parametrize("implementation", implementation_params())
 def test_causal_conv1d_inside_shard_map(implementation):
     x, w, b = random(2, (2, 9, 16)), random(3, (4, 16), scale=0.5), random(4, (16,))
     ids = jnp.asarray([[0] * 4 + [1] * 5, [2] * 9])

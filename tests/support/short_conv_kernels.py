@@ -17,15 +17,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_reference
+from maskconv_kernels.ops.causal_conv1d.backends import REGISTRY
+from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 
 from .numerics import assert_close, random
 
-__all__ = ["check_against_oracles", "check_nan_isolation", "check_packed_equals_alone",
+__all__ = ["implementation_params", "check_against_oracles", "check_nan_isolation", "check_packed_equals_alone",
            "check_derivatives_of_every_order"]
 
 F32 = np.dtype(np.float32)
+
+
+def implementation_params() -> list:
+    """``causal_conv1d``'s implementations as pytest params, each skipped with the registry's
+    own reason where it cannot run here interpreted (``pallas_mosaic_gpu`` on jax < 0.11)."""
+    problem = make_problem(np.zeros((1, 4, 8), np.float32), np.zeros((3, 8), np.float32))[0]
+    params = []
+    for name in REGISTRY.names:
+        why = REGISTRY.get(name).unsupported(problem, None, True)
+        marks = [pytest.mark.skip(reason=str(why))] if why is not None else []
+        params.append(pytest.param(name, id=name, marks=marks))
+    return params
 
 
 def check_against_oracles(kernel, x, w, b, state, dy, ids, *, activation, dilation):
