@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 __all__ = [
-    "F32", "BF16", "F16", "LONG", "long_settings", "magnitude", "segment_layout", "chunk_schedule", "nan_positions",
+    "F32", "BF16", "F16", "LONG", "SLOW_TIER_EXAMPLES", "long_settings", "slow_tier_settings", "by_tier", "magnitude", "segment_layout", "chunk_schedule", "nan_positions",
     "bits", "time_limit", "tier_params", "fuzz_tests",
 ]
 
@@ -29,11 +29,27 @@ F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float
 # (.ci/run's slow tier, within its time budget: about 1.3 s an example on the 2-core VM).
 # The long runs reported in the docs set it to 100 (400 for masked_conv) on this machine.
 LONG = int(os.environ.get("MASKCONV_FUZZ_EXAMPLES", "30"))
+# The implementations in the slow tier (kernels in an interpreter, the xla strategies no
+# platform defaults to) run MASKCONV_FUZZ_SLOW_TIER_EXAMPLES examples (5 unless set) under
+# any profile: an interpreted example takes seconds to tens of seconds, so the ci
+# profile's 40 would hold .ci/run's slow tiers for an hour.
+SLOW_TIER_EXAMPLES = int(os.environ.get("MASKCONV_FUZZ_SLOW_TIER_EXAMPLES", "5"))
 
 
 def long_settings(scale: float = 1.0):
     """``@settings`` of a long-profile test: :data:`LONG` examples (times ``scale``), the profile's others."""
     return settings(settings.default, max_examples=max(1, int(LONG * scale)))
+
+
+def slow_tier_settings():
+    """``@settings`` of a slow-tier implementation's test: :data:`SLOW_TIER_EXAMPLES` examples, the profile's others."""
+    return settings(settings.default, max_examples=SLOW_TIER_EXAMPLES)
+
+
+def by_tier(params) -> tuple[list, list]:
+    """``params`` split: those of the fast tier, and those marked ``slow``."""
+    slow = [p for p in params if any(m.name == "slow" for m in p.marks)]
+    return [p for p in params if p not in slow], slow
 
 
 def tier_params(names, slow: set[str]) -> list:
@@ -42,13 +58,22 @@ def tier_params(names, slow: set[str]) -> list:
 
 
 def fuzz_tests(property_, params, long_name: str = "xla", long_scale: float = 1.0):
-    """Two tests of ``property_(name, data)``: one per implementation of ``params`` with the
-    loaded profile (the fast tier's few examples; interpreters in the slow tier), and one
-    on ``long_name`` with the long profile (:data:`LONG` examples), in the slow tier."""
+    """Three tests of ``property_(name, data)``: one per implementation of ``params`` with the
+    loaded profile (the fast tier's few examples), one per slow-tier implementation with
+    :data:`SLOW_TIER_EXAMPLES` examples, and one on ``long_name`` with the long
+    profile (:data:`LONG` examples), in the slow tier."""
+    fast, slow = by_tier(params)
 
-    @pytest.mark.parametrize("name", params)
+    @pytest.mark.parametrize("name", fast)
     @given(data=st.data())
     def per_implementation(name, data):
+        property_(name, data)
+
+    @pytest.mark.parametrize("name", slow or [pytest.param(None, marks=pytest.mark.skip(
+        reason="no slow-tier implementation here"))])
+    @slow_tier_settings()
+    @given(data=st.data())
+    def per_slow_tier_implementation(name, data):
         property_(name, data)
 
     @pytest.mark.slow
@@ -57,7 +82,7 @@ def fuzz_tests(property_, params, long_name: str = "xla", long_scale: float = 1.
     def long_profile(data):
         property_(long_name, data)
 
-    return per_implementation, long_profile
+    return per_implementation, per_slow_tier_implementation, long_profile
 
 
 def magnitude(*arrays) -> float:

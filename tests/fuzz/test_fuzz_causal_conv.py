@@ -203,8 +203,10 @@ def _stream(name, data):
 
 
 test_fuzz_causal_conv_matches_the_reference_and_keeps_the_contract, \
+    test_fuzz_causal_conv_matches_the_reference_slow_tier, \
     test_fuzz_causal_conv_long_profile_xla = fuzz_tests(_full, PARAMS)
 test_fuzz_causal_conv_stream_chunks_equal_the_full_pass, \
+    test_fuzz_causal_conv_stream_chunks_slow_tier, \
     test_fuzz_causal_conv_stream_long_profile_xla = fuzz_tests(_stream, PARAMS)
 
 

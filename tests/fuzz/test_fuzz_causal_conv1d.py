@@ -338,11 +338,13 @@ def _update(name, data):
 
 
 test_fuzz_causal_conv1d_matches_the_reference_and_keeps_the_contract, \
+    test_fuzz_causal_conv1d_matches_the_reference_slow_tier, \
     test_fuzz_causal_conv1d_matches_the_reference_long_profile_xla = fuzz_tests(_full, PARAMS)
 test_fuzz_causal_conv1d_chunks_with_state_equal_the_full_pass, \
+    test_fuzz_causal_conv1d_chunks_slow_tier, \
     test_fuzz_causal_conv1d_chunks_long_profile_xla = fuzz_tests(_chunks, PARAMS)
-test_fuzz_causal_conv1d_update_decode_replay, test_fuzz_causal_conv1d_update_long_profile_xla = fuzz_tests(
-    _update, PARAMS)
+test_fuzz_causal_conv1d_update_decode_replay, test_fuzz_causal_conv1d_update_slow_tier, \
+    test_fuzz_causal_conv1d_update_long_profile_xla = fuzz_tests(_update, PARAMS)
 
 
 @pytest.mark.parametrize("case", regressions.param_list(regressions.CAUSAL_CONV1D, IMPLS))

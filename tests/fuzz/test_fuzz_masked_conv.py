@@ -13,8 +13,8 @@ density, empty included), strides, dilation, feature groups, padding (the string
 
 One test per backend (progress shows). The fast tier runs ``"xla"`` with the loaded
 profile's few examples; the slow tier the other strategies and the interpreted kernel
-backends (the profile's examples: 40 under ``.ci/run``), and ``"xla"`` again with the long
-profile (:data:`~.common.LONG`).
+backends (:data:`~.common.SLOW_TIER_EXAMPLES` examples each), and ``"xla"`` again with the
+long profile (:data:`~.common.LONG`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ from maskconv_kernels import masked_conv_reference
 from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
 
 from . import regressions
-from .common import BF16, F16, F32, bits, long_settings, magnitude, nan_positions, segment_layout
+from .common import (
+    BF16, F16, F32, bits, by_tier, slow_tier_settings, long_settings, magnitude, nan_positions, segment_layout,
+)
 
 
 def _call(name, x, k, mask, **args):
@@ -147,9 +149,16 @@ def _params():
     return out
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", by_tier(_params())[0])
 @given(data=st.data())
 def test_fuzz_masked_conv_matches_the_reference_and_keeps_the_contract(name, data):
+    check_problem(name, *data.draw(problems(name)))
+
+
+@pytest.mark.parametrize("name", by_tier(_params())[1])
+@slow_tier_settings()
+@given(data=st.data())
+def test_fuzz_masked_conv_matches_the_reference_slow_tier(name, data):
     check_problem(name, *data.draw(problems(name)))
 
 
