@@ -56,7 +56,8 @@ def test_xla_every_dtype_and_mixed_weights(case, dtype):
 @pytest.mark.parametrize("name", INTERPRETED)
 def test_each_interpreted_kernel_backend_smoke(name):
     """The default run's one case per interpreter (the shared suites run them in the slow tier):
-    the definition, a NaN in the future, and a stream of three chunks equal to the full pass bit for bit."""
+    the definition, a NaN in the future, and a stream of two chunks equal to the full pass
+    (bit for bit where ``exact_stream``)."""
     impl = IMPLS[name]
     x, k, b = random(40, (2, 9, 3), impl.dtype), random(41, (3, 3, 4), impl.dtype, scale=0.5), None
     y = impl.conv(x, k, b)
@@ -65,7 +66,11 @@ def test_each_interpreted_kernel_backend_smoke(name):
     np.testing.assert_array_equal(bits(poisoned[:, :5]), bits(y[:, :5]))
     y0, state = impl.stream(x[:, :1], None, k, b)
     y1, _ = impl.stream(x[:, 1:], state, k, b)
-    np.testing.assert_array_equal(bits(jnp.concatenate([y0, y1], axis=1)), bits(y))
+    streamed = jnp.concatenate([y0, y1], axis=1)
+    if impl.exact_stream:
+        np.testing.assert_array_equal(bits(streamed), bits(y))
+    else:
+        assert_close(streamed, causal_conv_reference(x, k), impl.dtype, 9 + 1, scale(x, k))
 
 
 def test_xla_float64_with_x64():
