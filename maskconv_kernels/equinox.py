@@ -32,6 +32,7 @@ from maskconv_kernels.masks import Mask, as_mask
 from maskconv_kernels.ops.causal_conv import causal_conv, causal_conv_stream, causal_conv_stream_init
 from maskconv_kernels.ops.masked_conv import masked_conv
 from maskconv_kernels.ops.masked_conv.layout import Layout
+from maskconv_kernels.parallel.context import ContextParallel
 
 eqx = require("equinox", "equinox", "maskconv_kernels.equinox")
 
@@ -264,6 +265,10 @@ class CausalConv(eqx.nn.StatefulLayer):
       implementation: ``None`` (per platform) or one of
         :data:`maskconv_kernels.ops.causal_conv.IMPLEMENTATIONS`.
       interpret: run a kernel implementation in its interpreter.
+      context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
+        split of time: the full pass (``x`` sharded along ``T`` in its layout; under
+        ``jax.vmap``, which cannot split the batch, so ``batch_axis`` must be ``None``) runs
+        :func:`~maskconv_kernels.parallel.time_sharded_causal_conv`; streams are not split.
     """
 
     weight: jax.Array
@@ -281,6 +286,7 @@ class CausalConv(eqx.nn.StatefulLayer):
     padding_mode: str = eqx.field(static=True)
     implementation: str | None = eqx.field(static=True)
     interpret: bool = eqx.field(static=True)
+    context_parallel: ContextParallel | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -301,6 +307,7 @@ class CausalConv(eqx.nn.StatefulLayer):
         segmented: bool = False,
         implementation: str | None = None,
         interpret: bool = False,
+        context_parallel: ContextParallel | None = None,
         key: jax.Array,
     ):
         spatial_shape = tuple(spatial_shape)
@@ -319,6 +326,12 @@ class CausalConv(eqx.nn.StatefulLayer):
         self.padding = _non_time_padding(padding, num_spatial_dims - 1)
         self.padding_mode = padding_mode.lower() if isinstance(padding_mode, str) else padding_mode
         self.implementation, self.interpret = implementation, interpret
+        if context_parallel is not None and context_parallel.batch_axis is not None:
+            raise ValueError(
+                "CausalConv (Equinox) takes one example (jax.vmap over a batch), so its context_parallel cannot split "
+                f"the batch: batch_axis must be None, got {context_parallel.batch_axis!r}"
+            )
+        self.context_parallel = context_parallel
         self.state_index = None
         if stream:
             chunk = (1, in_channels, 1, *spatial_shape)
@@ -363,7 +376,8 @@ class CausalConv(eqx.nn.StatefulLayer):
         ids = None if segment_ids is None else _example_segment_ids(segment_ids, x.shape)
         bias = None if self.bias is None else self.bias.reshape(-1)
         if state is None:
-            return causal_conv(x[None], self.weight, bias, segment_ids=ids, **self._kwargs())[0]
+            conv = causal_conv if self.context_parallel is None else self.context_parallel.causal_conv
+            return conv(x[None], self.weight, bias, segment_ids=ids, **self._kwargs())[0]
         if self.state_index is None:
             raise ValueError(
                 "this CausalConv holds no stream state: build it with stream=True (and spatial_shape) through "

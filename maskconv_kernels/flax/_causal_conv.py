@@ -56,6 +56,7 @@ class Layer:
     precision: Any
     implementation: str | None
     interpret: bool
+    context_parallel: Any  # a parallel.ContextParallel or None
 
     @classmethod
     def of(cls, module) -> "Layer":
@@ -107,9 +108,11 @@ class Layer:
         return batch, x, segment_ids
 
     def __call__(self, inputs, kernel, bias, segment_ids=None) -> jax.Array:
-        """The full pass: ``(*batch_dims, floor((T - 1) / s_T) + 1, *out_spatial, C_out)`` in inputs' dtype."""
+        """The full pass: ``(*batch_dims, floor((T - 1) / s_T) + 1, *out_spatial, C_out)`` in inputs' dtype,
+        time split over ``context_parallel`` where the layer has one."""
         batch, x, ids = self._flat(inputs, segment_ids)
-        y = causal_conv(x, kernel, bias, segment_ids=ids, **self.kwargs())
+        conv = causal_conv if self.context_parallel is None else self.context_parallel.causal_conv
+        y = conv(x, kernel, bias, segment_ids=ids, **self.kwargs())
         return y.reshape(*batch, *y.shape[1:])
 
     def stream(self, inputs, state: CausalConvState, kernel, bias, segment_ids=None):

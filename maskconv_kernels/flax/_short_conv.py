@@ -1,4 +1,4 @@
-"""What the linen and nnx ``ShortConv`` modules share: PyTorch's initialisers, the state's shape.
+"""What the linen and nnx ``ShortConv`` modules share: PyTorch's initialisers, the state's shape, the full pass.
 
 Mamba's, Mamba-2's and gated DeltaNet's short convolutions are ``torch.nn.Conv1d(D, D,
 kernel_size=W, groups=D)`` (flash-linear-attention's ``ShortConvolution`` subclasses
@@ -20,7 +20,9 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-__all__ = ["torch_conv1d_uniform", "weight_init", "bias_init_for", "state_shape", "from_conv_params"]
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d
+
+__all__ = ["torch_conv1d_uniform", "weight_init", "bias_init_for", "state_shape", "full_pass", "from_conv_params"]
 
 
 def torch_conv1d_uniform(width: int):
@@ -51,6 +53,17 @@ def state_shape(input_shape, width: int, dilation: int, features: int) -> tuple[
             f"{features}) to allocate the state, got {tuple(input_shape)}"
         )
     return (input_shape[0], (width - 1) * dilation, features)
+
+
+def full_pass(module, x, weight, bias, segment_ids=None, positions=None) -> jax.Array:
+    """A ``ShortConv``'s full pass ``(N, L, D)``: :func:`causal_conv1d` with the module's
+    ``activation``, ``dilation`` and ``implementation``, over its ``context_parallel``
+    split where it has one (:meth:`~maskconv_kernels.parallel.ContextParallel.causal_conv1d`)."""
+    kw = dict(segment_ids=segment_ids, positions=positions, activation=module.activation, dilation=module.dilation,
+              implementation=module.implementation)
+    if module.context_parallel is None:
+        return causal_conv1d(x, weight, bias, **kw)
+    return module.context_parallel.causal_conv1d(x, weight, bias, **kw)
 
 
 def from_conv_params(params: Mapping) -> dict:

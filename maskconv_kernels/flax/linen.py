@@ -31,7 +31,8 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.flax._short_conv import from_conv_params
-from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d_update
+from maskconv_kernels.parallel.context import ContextParallel
 
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv", "from_conv_params"]
 
@@ -241,6 +242,11 @@ class ShortConv(nn.Module):
         mutable=["cache"])`` consumes one or several tokens ``(N, T, D)`` (or, with
         ``state_indices``, ``(B, T, D)`` for ``B`` of the ``N`` slots) and returns their
         outputs, through :func:`maskconv_kernels.causal_conv1d_update`.
+      context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
+        split of the sequence: the full pass takes ``x`` (and ``segment_ids``,
+        ``positions``) sharded along ``L`` in its layout and runs
+        :func:`~maskconv_kernels.parallel.sequence_sharded_causal_conv1d` (bit for bit
+        the one-device outputs); decode steps are not split.
     """
 
     kernel_size: int
@@ -253,6 +259,7 @@ class ShortConv(nn.Module):
     bias_init: Initializer | None = None
     implementation: str | None = None
     decode: bool = False
+    context_parallel: ContextParallel | None = None
 
     @nn.compact
     def __call__(
@@ -303,10 +310,7 @@ class ShortConv(nn.Module):
         if self.decode:
             shape = _short_conv.state_shape(jnp.shape(x), self.kernel_size, self.dilation, d)
             self.variable("cache", "conv_state", jnp.zeros, shape, x.dtype)
-        return causal_conv1d(
-            x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
-            implementation=self.implementation, positions=positions,
-        )
+        return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions)
 
 
 class CausalConv(nn.Module):
@@ -362,6 +366,10 @@ class CausalConv(nn.Module):
         the first chunk any length ``L``, later ones multiples of ``s_T``). Concatenated
         along time they are the full pass's (bit for bit where
         ``docs/causal_conv.md`` says so). Fixed-length chunks compile once under ``jit``.
+      context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
+        split of time: the full pass takes ``inputs`` (and ``segment_ids``) sharded along
+        ``T`` in its layout (the batch dims flattened into one, split over its ``batch_axis``) and runs
+        :func:`~maskconv_kernels.parallel.time_sharded_causal_conv`; streams are not split.
     """
 
     features: int
@@ -380,6 +388,7 @@ class CausalConv(nn.Module):
     implementation: str | None = None
     interpret: bool = False
     decode: bool = False
+    context_parallel: ContextParallel | None = None
 
     @nn.compact
     def __call__(self, inputs: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:

@@ -24,7 +24,8 @@ from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
 from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
-from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d_update
+from maskconv_kernels.parallel.context import ContextParallel
 
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv"]
 
@@ -268,6 +269,8 @@ class ShortConv(nnx.Module):
         allocates ``conv_state`` (an ``nnx.Cache``), then each call consumes one or several
         tokens ``(N, T, features)`` through
         :func:`maskconv_kernels.causal_conv1d_update`.
+      context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
+        split of the sequence, as the linen module's.
     """
 
     def __init__(
@@ -285,6 +288,7 @@ class ShortConv(nnx.Module):
         implementation: str | None = None,
         rngs: nnx.Rngs,
         decode: bool = False,
+        context_parallel: ContextParallel | None = None,
     ):
         self.weight = nnx.Param(weight_init(rngs.params(), (kernel_size, features), param_dtype))
         self.bias: nnx.Param | None
@@ -302,6 +306,7 @@ class ShortConv(nnx.Module):
         self.param_dtype = param_dtype
         self.implementation = implementation
         self.decode = decode
+        self.context_parallel = context_parallel
         self.conv_state: nnx.Cache | None = nnx.data(None)
 
     @classmethod
@@ -396,10 +401,7 @@ class ShortConv(nnx.Module):
                 "state_indices and has_initial_state are for decode steps (decode=True, after init_cache); a full "
                 "forward pass starts every row from zeros"
             )
-        return causal_conv1d(
-            x, weight, bias, segment_ids=segment_ids, activation=self.activation, dilation=self.dilation,
-            implementation=self.implementation, positions=positions,
-        )
+        return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions)
 
 
 class CausalConv(nnx.Module):
@@ -433,6 +435,8 @@ class CausalConv(nnx.Module):
         :class:`~maskconv_kernels.ops.causal_conv.CausalConvState`), then each call takes
         the next chunk ``(*batch_dims, L, *spatial, in_features)`` and returns its outputs
         (the first chunk any length, later ones multiples of ``s_T``).
+      context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
+        split of time, as the linen module's.
     """
 
     def __init__(
@@ -458,6 +462,7 @@ class CausalConv(nnx.Module):
         kernel_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
         bias_metadata: tp.Mapping[str, tp.Any] = MappingProxyType({}),
         decode: bool = False,
+        context_parallel: ContextParallel | None = None,
     ):
         self.kernel_size = _conv.kernel_size_tuple(kernel_size)
         self.strides = strides
@@ -468,6 +473,7 @@ class CausalConv(nnx.Module):
         self.precision = precision
         self.implementation = implementation
         self.interpret = interpret
+        self.context_parallel = context_parallel
         self.kernel_shape = _causal_conv.Layer.of(self).kernel_shape(in_features, out_features)
         self.kernel, self.bias = _conv_params(
             rngs, self.kernel_shape, use_bias, kernel_init, bias_init, param_dtype, kernel_metadata, bias_metadata,

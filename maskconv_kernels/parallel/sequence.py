@@ -37,7 +37,12 @@ def _permute_chunks(x, shards: int, axis: int, order: np.ndarray):
     if x.shape[axis] % n:
         raise ValueError(f"axis {axis} of length {x.shape[axis]} must be a multiple of 2 * shards = {n}")
     chunked = x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:])
-    return jnp.take(chunked, order, axis=axis).reshape(x.shape)
+    sharding = jax.typeof(chunked).sharding
+    if not any(name is not None for name in getattr(sharding, "spec", ())):
+        return jnp.take(chunked, order, axis=axis).reshape(x.shape)
+    # Split by an Explicit mesh: the gather must be told its output's sharding (the input's).
+    index = (slice(None),) * axis + (jnp.asarray(order),)
+    return chunked.at[index].get(out_sharding=sharding).reshape(x.shape)
 
 
 def to_zigzag(x: jax.typing.ArrayLike, shards: int, axis: int = 1) -> jax.Array:
@@ -50,7 +55,8 @@ def to_zigzag(x: jax.typing.ArrayLike, shards: int, axis: int = 1) -> jax.Array:
     device holds an equal share of a causal attention's work. Its inverse is
     :func:`from_zigzag`. ``x``'s length along ``axis`` must be a multiple of ``2 * shards``.
     It permutes a whole array (on the host or one device, as a data loader lays out a
-    batch); an array already split by an Explicit mesh axis is resharded first.
+    batch); an array split by an Explicit mesh keeps its sharding (the chunks move
+    between devices).
     """
     return _permute_chunks(x, shards, axis, _zigzag_order(shards))
 

@@ -294,6 +294,18 @@ def test_to_zigzag_gives_device_i_chunks_i_and_2s_minus_1_minus_i_and_from_zigza
 
 
 @needs_mesh
+def test_zigzag_of_an_array_split_by_an_explicit_mesh_keeps_its_sharding():
+    """jax.make_mesh's default axes are Explicit: the permutation names its output's sharding (the input's)."""
+    mesh = _mesh((SHARDS, 2), ("seq", "data"), AxisType.Explicit)
+    x = np.arange(2 * 64 * 3, dtype=np.float32).reshape(2, 64, 3)
+    split = jax.device_put(x, NamedSharding(mesh, P("data", "seq")))
+    for fn in (lambda a: parallel.to_zigzag(a, SHARDS), jax.jit(lambda a: parallel.from_zigzag(a, SHARDS))):
+        y = fn(split)
+        assert jax.typeof(y).sharding.spec == P("data", "seq", None)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(fn(x)))
+
+
+@needs_mesh
 def test_zigzag_exchanges_halos_by_permutes_alone_and_no_nan_crosses_to_earlier_chunks():
     """Every chunk's history comes by collective-permutes (no all-gather); NaN from a border on,
     in sequence order, changes no output before it, on any device."""
