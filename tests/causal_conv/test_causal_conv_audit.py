@@ -53,6 +53,7 @@ def _video_kernels(seed, c, count):
     return [random(seed + i, (3, 3, 3, c, c), np.float32, scale=0.3) for i in range(count)]
 
 
+@pytest.mark.slow  # the fast tier flags reflect padding
 def test_cosmos_style_group_norm_over_time_is_flagged():
     x = random(50, (1, 5, 4, 4, 4), np.float32)
     k1, k2 = _video_kernels(51, 4, 2)

@@ -121,6 +121,7 @@ def _eqx_expected(x, weight, bias, **kw):
     return np.moveaxis(y[0], -1, 0), scale(x, kernel) + float(jnp.abs(bias).max())
 
 
+@pytest.mark.slow  # test_equinox.py's serialised round trip is the fast tier's
 def test_equinox_loads_a_serialised_eqx_conv():
     """Replicate (Equinox's spelling): ``eqx.tree_serialise_leaves`` of an eqx.nn.Conv read into the stream layer."""
     eqx, mk_eqx = _equinox()

@@ -153,6 +153,7 @@ def test_an_initial_state_starts_a_stream_as_none_does_even_traced(padding_mode)
     np.testing.assert_array_equal(bits(jnp.concatenate(ys, axis=1)), bits(by_none))
 
 
+@pytest.mark.slow  # the fast tier's fuzzer streams segment layouts
 def test_a_packed_stream_equals_the_packed_full_pass():
     x, k, b = random(28, (1, 12, 5, 2), F32), random(29, (3, 3, 2, 3), F32), random(30, (3,), F32)
     ids = np.zeros((1, 12, 5), np.int32)

@@ -104,7 +104,7 @@ def test_forward_and_final_state_match_the_reference(case):
 # The README's command: widths 3 and 4, dilations 1 and 3, float16 and Mamba's mixed
 # dtypes, with segments and states; the slow tier the other named cases and the grid's
 # small ones (the forward's grid is the fast tier's).
-FAST_GRADIENTS = [GRID[-1], GRID[-2]]
+FAST_GRADIENTS = [GRID[-1]]
 
 
 @pytest.mark.parametrize(

@@ -117,6 +117,7 @@ def test_default_tiles_match_the_oracles():
 # --------------------------------------------------------------------------- exactness and determinism
 
 
+@pytest.mark.slow  # interpreted; the xla suite's NaN isolation is the fast tier's
 def test_nan_in_one_document_reaches_no_other_and_gradients_stay_inside():
     batch, length, dim, width = 2, 30, 16, 4
     x, w, b, state, _ = _case(7, batch, length, dim, width, 1, F32, F32)

@@ -133,6 +133,7 @@ def _schedule_step(w, b, seqs, positions, chunks_per_step, tokens=12):
     return [np.concatenate(o) for o in outs], pool
 
 
+@pytest.mark.slow  # the step's own replay is the fast tier's
 def test_the_scheduler_step_with_positions_replays_each_requests_full_pass():
     w, b = random(16, (W, D)), random(17, (D,))
     positions = [np.array([0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]), np.array([0, 1, 2, 0, 0, 1, 2, 3, 4, 0, 1])]

@@ -64,6 +64,7 @@ def _stats_update(model):
     return jax.jit(lambda variables, x: model.apply(variables, x, update_stats=True, mutable=["batch_stats"])[1])
 
 
+@pytest.mark.slow  # the fast tier checks linen's auto-named paths (eval_shape)
 def test_linen_swap_restores_the_flax_checkpoint():
     x = random(0, (1, 5, 4, 2))
     theirs, ours = LinenNet(ours=False), LinenNet(ours=True)

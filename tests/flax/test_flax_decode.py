@@ -42,6 +42,7 @@ def _previous_pixels(x):
     return jnp.concatenate([jnp.zeros_like(flat[:, :1]), flat[:, :-1]], 1)
 
 
+@pytest.mark.slow  # test_decode.py's decode checks are the fast tier's
 def test_linen_decode_equals_the_full_forward_at_every_position():
     x = random(0, (N, H, W, 2))
     params = TwoLayers().init(jax.random.key(0), x)["params"]

@@ -46,7 +46,7 @@ def _bound_scale(h, weight, bias) -> float:
     return float(np.abs(bias).max() + W * np.abs(h).max() * np.abs(weight).max())
 
 
-@pytest.mark.parametrize("dilation", [1, 2])
+@pytest.mark.parametrize("dilation", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_checkpoint_of_a_depthwise_nn_conv_loads_into_short_conv(dilation):
     x = random(1, (2, 19, 5))
     old = MambaMixer(short_conv=False, dilation=dilation)

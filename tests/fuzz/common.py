@@ -25,7 +25,7 @@ __all__ = [
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)
 
 # The long profile: what the slow tier runs on the xla implementations (the fast tier runs
-# the loaded profile's few, 5 by default): MASKCONV_FUZZ_EXAMPLES examples, 30 unless set
+# the loaded profile's few, 3 by default): MASKCONV_FUZZ_EXAMPLES examples, 30 unless set
 # (.ci/run's slow tier, within its time budget: about 1.3 s an example on the 2-core VM).
 # The long runs reported in the docs set it to 100 (400 for masked_conv) on this machine.
 LONG = int(os.environ.get("MASKCONV_FUZZ_EXAMPLES", "30"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from support.mesh import has_mesh_already, needs_mesh, run_on_forced_cpu_devices
@@ -98,6 +99,7 @@ def _encoder_block(x, k1, k2, k_skip, conv):
     return conv(h, k2, strides=(2, 1, 1)) + conv(x, k_skip, strides=(2, 1, 1))
 
 
+@pytest.mark.slow  # test_time_sharded.py's layers are the fast tier's
 @needs_mesh
 def test_cogvideox_style_encoder_block_with_time_sharded_convs_equals_one_device():
     x = random(10, (2, 16, 6, 6, 4), F32)

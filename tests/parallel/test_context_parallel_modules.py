@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from support.mesh import has_mesh_already, needs_mesh, run_on_forced_cpu_devices
 from support.numerics import assert_close, random
+from support.tiers import tiered
 
 from maskconv_kernels import equinox as mk_eqx, parallel
 from maskconv_kernels.flax import linen as mk_linen, nnx as mk_nnx
@@ -27,6 +28,12 @@ from maskconv_kernels.parallel import ContextParallel
 F32 = np.dtype(np.float32)
 SHARDS = 4
 LAYOUTS = ["contiguous", "zigzag"]
+
+
+def one_fast(layout: str | None) -> list:
+    """Both layouts, only ``layout`` in the fast tier (``None``: neither; the fast tier
+    keeps linen's ShortConv and nnx's CausalConv, each zigzagged)."""
+    return tiered(LAYOUTS, lambda l: l == layout)
 
 
 @has_mesh_already
@@ -68,7 +75,7 @@ def _documents(batch, length):
 
 
 @needs_mesh
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", one_fast("zigzag"))
 def test_linen_short_conv_equals_one_device(layout):
     mesh = _mesh()
     cp = ContextParallel(mesh, "seq", layout, batch_axis="data")
@@ -100,6 +107,7 @@ def test_linen_short_conv_equals_one_device(layout):
     assert_close(g["bias"], g1["bias"], F32, terms, dy_max)
 
 
+@pytest.mark.slow  # test_context_parallel.py's HLO check is the fast tier's
 @needs_mesh
 def test_linen_short_conv_compiles_to_collective_permutes_without_all_gather():
     mesh = _mesh()
@@ -126,7 +134,7 @@ def test_linen_short_conv_decodes_after_a_split_prefill_as_without_one():
 
 
 @needs_mesh
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", one_fast(None))
 def test_nnx_short_conv_equals_one_device(layout):
     mesh = _mesh()
     x = random(4, (2, 64, 6), F32)
@@ -143,7 +151,7 @@ def _video(seed):
 
 
 @needs_mesh
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", one_fast(None))
 def test_linen_causal_conv_equals_one_device(layout):
     mesh = _mesh()
     x = _video(5)
@@ -169,7 +177,7 @@ def test_linen_causal_conv_equals_one_device(layout):
 
 
 @needs_mesh
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", one_fast("zigzag"))
 def test_nnx_causal_conv_with_segment_ids_equals_one_device(layout):
     mesh = _mesh()
     x = _video(6)
@@ -184,7 +192,7 @@ def test_nnx_causal_conv_with_segment_ids_equals_one_device(layout):
 
 
 @needs_mesh
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", one_fast(None))
 def test_equinox_causal_conv_under_vmap_equals_one_device(layout):
     mesh = _mesh()
     key = jax.random.key(0)

@@ -43,6 +43,7 @@ def test_the_baseline_computes_what_causal_conv_computes(shape):
     np.testing.assert_array_equal(state.frames, cache)  # both keep the last k_T - 1 frames
 
 
+@pytest.mark.slow  # a whole benchmark run
 def test_a_tiny_run_writes_rows_with_metadata_and_memory(tmp_path):
     """The quick preset's 1-D layer end to end: a row per side and mode, with the machine, the memory and the
     targets (its 3-D layer compiles for seconds more; the test above runs it)."""

@@ -32,6 +32,7 @@ def test_every_mode_has_help_in_users_words(mode, capsys):
     assert "--out" in text and not any(w in text.lower() for w in INTERNAL), text
 
 
+@pytest.mark.slow  # a whole benchmark run
 def test_a_run_writes_a_new_folder_under_the_current_one(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     args = ["--quick", "--shapes", "7x7A_C1-64", "--modes", "fwd", "--dtypes", "float32", "--no-chart"]

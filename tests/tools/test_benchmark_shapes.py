@@ -100,6 +100,7 @@ def test_shapes_cover_the_models():
     assert {(s.window, s.spatial, s.c_in) for s in HEADLINE_SHAPES} == {((7, 7), (32, 32), 256), ((3, 3), (32, 32), 256)}
 
 
+@pytest.mark.slow  # the fast tier runs the shapes against float64
 def test_benchmark_cell_reports_exactness_and_metadata():
     """The runner on one tiny cell: every row carries metadata; exactness is measured, not assumed."""
     shape = BenchShape("tiny_3x3A", "pixelcnn", (9, 9), 4, 4, np.asarray(SHAPES[0].mask[2:5, 2:5]), 2, 2)

@@ -2,11 +2,13 @@
 import json
 
 import jax
+import pytest
 from support.mesh import needs_mesh
 
 from benchmarks import context_parallel
 
 
+@pytest.mark.slow  # a tool's run; the fast tier checks the no-all-gather HLO itself
 @needs_mesh
 def test_the_quick_run_counts_the_halo_and_the_gathered_bytes(tmp_path):
     assert context_parallel.main(["--quick", "--samples", "2", "--out", str(tmp_path / "cp")]) == 0
