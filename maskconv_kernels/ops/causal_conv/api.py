@@ -17,12 +17,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ..._core.errors import OpError
 from .._interpret import nothing_to_interpret
-from ..masked_conv import masked_conv
+from ..masked_conv.api import run
 from . import phases
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
 from .checks import Problem, make_problem
@@ -38,14 +37,16 @@ class TimeConv:
     """One causal convolution along time as ``masked_conv`` runs it (channels-last).
 
     ``stride`` and ``dilation`` are time's (a transposed layer's phases: 1 and 1); the
-    other axes are the problem's. Outputs are in the accumulation dtype (float32, or
-    float64 for float64 inputs): bias and rounding are :func:`finish`'s, once.
+    other axes are the problem's. ``backend``: the implementation's record, checked
+    against the problem, or ``None`` (chosen per platform when lowered). Outputs are in
+    the accumulation dtype (float32, or float64 for float64 inputs): bias and rounding
+    are :func:`finish`'s, once.
     """
 
     problem: Problem
     stride: int
     dilation: int
-    implementation: str | None
+    backend: object
     interpret: bool
     config: object
 
@@ -54,7 +55,11 @@ class TimeConv:
         return (kernel.shape[0] - 1) * self.dilation
 
     def __call__(self, x, kernel, time_pad: int, segment_ids=None):
-        """``masked_conv`` of ``x (N, T, *spatial, C_in)`` with time padded ``(time_pad, 0)``.
+        """``masked_conv``'s convolution of ``x (N, T, *spatial, C_in)`` with time padded ``(time_pad, 0)``.
+
+        The problem was checked once, by the public call: this runs ``masked_conv``'s
+        checked path (:func:`~..masked_conv.api.run`) on the problem's spec resized to
+        ``x``'s frames, ``kernel``'s shape and ``time_pad``, without checking again.
 
         Under the name scope :data:`SCOPE`: profiles and HLO show the layer by its op's
         name, and the causality audit tells it from a plain unmasked ``masked_conv`` (a
@@ -62,14 +67,12 @@ class TimeConv:
         must not), :func:`maskconv_kernels.audit.order.learn_include_current`.
         """
         p = self.problem
+        spec = p.spec.resized(
+            x.shape[1:-1], ((time_pad, 0), *p.pads), kernel_shape=kernel.shape, segmented=segment_ids is not None
+        )
         with jax.named_scope(SCOPE):
-            return masked_conv(
-                x, kernel, np.ones(kernel.shape[:-2], bool), strides=(self.stride, *p.strides[1:]),
-                padding=((time_pad, 0), *p.pads), dilation=(self.dilation, *p.dilation[1:]),
-                feature_group_count=p.groups, precision=p.precision, preferred_element_type=p.acc_dtype,
-                implementation=self.implementation, interpret=self.interpret, config=self.config,
-                segment_ids=segment_ids,
-            )
+            return run(spec, x, kernel, backend=self.backend, interpret=self.interpret, config=self.config,
+                       segment_ids=segment_ids)
 
     def causal(self, x, kernel, segment_ids=None):
         """The full causal pass: ``(N, floor((T - 1) / s) + 1, *out_spatial, C_out)``.
@@ -95,16 +98,16 @@ def time_conv(op: str, problem: Problem, implementation, interpret, config, *, s
     err = OpError(op)
     if not isinstance(interpret, bool):
         raise err.type(f"interpret must be True or False, got {interpret!r}")
+    backend = None
     if implementation is None:
         if config is not None:
             raise err.value("config= is the config of one implementation: name it with implementation=")
     else:
         # The problem alone here; the platform when the function is lowered. The
         # registry's errors say "causal_conv(implementation=...)": the op's own words.
-        REGISTRY.check(implementation, problem.spec, interpret, config, op=op)
-    # Said here, in the op's words; masked_conv then gets interpret=False and says nothing.
+        backend = REGISTRY.check(implementation, problem.spec, interpret, config, op=op)
     interpret = interpret and not nothing_to_interpret(op, REGISTRY, implementation, interpret)
-    return TimeConv(problem, stride, dilation, implementation, interpret, config)
+    return TimeConv(problem, stride, dilation, backend, interpret, config)
 
 
 def finish(y, bias, segment_ids, problem: Problem):

@@ -20,7 +20,7 @@ from . import maps
 from .backends import IMPLEMENTATIONS, PREFERENCE
 from .spec import make_spec
 
-__all__ = ["masked_conv", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
+__all__ = ["masked_conv", "run", "IMPLEMENTATIONS", "PREFERENCE", "implementation_for"]
 
 OP = OpError("masked_conv")
 
@@ -164,12 +164,30 @@ def masked_conv(
     elif config is not None:
         raise OP.value("config= is the config of one backend: name it with implementation=")
     interpret = interpret and not nothing_to_interpret("masked_conv", _backends.REGISTRY, implementation, interpret)
-    x, kernel = layout.x(x), layout.kernel(kernel)
+    y = run(spec.channels_last(), layout.x(x), layout.kernel(kernel), backend=backend, interpret=interpret,
+            config=config, segment_ids=segment_ids)
+    return layout.output(y)
+
+
+def run(spec, x, kernel, *, backend, interpret: bool, config, segment_ids=None) -> jax.Array:
+    """A checked convolution: what :func:`masked_conv` runs after its checks, and what ops
+    built on it (``causal_conv``) run on the problems they checked themselves.
+
+    Args:
+      spec: a channels-last :class:`~.spec.ConvSpec`, checked (:func:`~.spec.make_spec`,
+        or :meth:`~.spec.ConvSpec.resized` from one).
+      x, kernel: channels-last arrays of ``spec``'s shapes and dtypes.
+      backend: the implementation's record (checked against ``spec``), or ``None`` to
+        choose one per platform when lowered.
+      interpret, config: as checked.
+      segment_ids: ``(N, *spatial)`` integers when ``spec.segmented``, else ``None``.
+
+    Returns:
+      ``(N, *spec.out_spatial, C_out)`` in ``spec.out_dtype``.
+    """
     if 0 in spec.out_spatial:
         # The window does not fit (VALID, say): lax's zero-size output, nothing read, and
         # zero-size gradients, since the zeros do not depend on x or the kernel.
-        return layout.output(jnp.zeros((x.shape[0], *spec.out_spatial, spec.c_out), spec.out_dtype))
-    y = maps.masked_conv(
-        x, kernel, spec.channels_last(), backend=backend, interpret=interpret, config=config, segment_ids=segment_ids
-    )
-    return layout.output(y)
+        return jnp.zeros((x.shape[0], *spec.out_spatial, spec.c_out), spec.out_dtype)
+    return maps.masked_conv(x, kernel, spec, backend=backend, interpret=interpret, config=config,
+                            segment_ids=segment_ids)

@@ -84,6 +84,30 @@ class ConvSpec:
     def dimension_numbers(self):
         return dimension_numbers(self.ndim)
 
+    def resized(self, in_spatial, padding, *, kernel_shape=None, segmented: bool | None = None) -> "ConvSpec":
+        """This convolution on another input size and padding, not checked again.
+
+        For an op that checked one problem and runs others derived from it: a stream's
+        chunk with its history before it, a transposed layer's phases, a recomputed head.
+        ``kernel_shape``: ``(*window, C_in // groups, C_out')``, another window (every tap
+        active; for a spec whose taps all are) or number of outputs; ``segmented``:
+        whether this call passes segment ids (default: as checked).
+        """
+        mask, c_out = self.mask, self.c_out
+        if kernel_shape is not None:
+            *window, c_in, c_out = (int(k) for k in kernel_shape)
+            every_tap = len(mask.active_taps) == mask.num_taps and not mask.is_full
+            changed = tuple(window) != self.window or c_out != self.c_out
+            if c_in != self.c_in // self.groups or (changed and not every_tap):
+                raise ValueError(f"{self} takes no kernel of shape {tuple(kernel_shape)}: another window needs "
+                                 "every tap active, and the input channels stay")
+            if tuple(window) != self.window:
+                mask = as_mask(np.ones(window, bool), kernel_shape)
+        return dataclasses.replace(
+            self, mask=mask, in_spatial=tuple(int(n) for n in in_spatial), padding=tuple(padding), c_out=c_out,
+            segmented=self.segmented if segmented is None else bool(segmented),
+        )
+
     def channels_last(self) -> "ConvSpec":
         """The problem the backends compute, without the caller's layout: one per problem, whatever its layout."""
         return dataclasses.replace(self, layout=Layout.channels_last(self.ndim))
