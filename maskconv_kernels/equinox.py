@@ -28,6 +28,7 @@ from jax import lax
 
 from maskconv_kernels._core.args import as_segment_ids, is_int
 from maskconv_kernels._extras import require
+from maskconv_kernels._modules import concrete_mask, pad_with_copies, refuse_segment_ids_with_copies
 from maskconv_kernels.masks import Mask, as_mask
 from maskconv_kernels.ops.causal_conv import causal_conv, causal_conv_stream, causal_conv_stream_init
 from maskconv_kernels.ops.masked_conv import masked_conv
@@ -37,9 +38,6 @@ from maskconv_kernels.parallel.context import ContextParallel
 eqx = require("equinox", "equinox", "maskconv_kernels.equinox")
 
 __all__ = ["Conv", "MaskedConv", "Conv1d", "Conv2d", "Conv3d", "CausalConv"]
-
-_PAD_MODES = {"REFLECT": "reflect", "REPLICATE": "edge", "CIRCULAR": "wrap"}
-
 
 def _dimension_numbers(ndim: int) -> tuple[str, str, str]:
     """Equinox's layout, lax's default: ``("NCHW", "OIHW", "NCHW")`` in 2-D."""
@@ -65,6 +63,7 @@ def _static_mask(mask, kernel_size: tuple[int, ...], weight_shape: tuple[int, ..
     """``mask`` (shape ``kernel_size``, or ``weight_shape``: Equinox's ``(O, I, *kernel_size)``) as a hashable Mask."""
     if mask is None or isinstance(mask, Mask):
         return None if mask is None else as_mask(mask, (*kernel_size, *weight_shape[1::-1]))
+    concrete_mask(mask, "equinox.nn.Conv with weight * mask")
     shape = tuple(np.shape(mask))
     if shape not in (kernel_size, weight_shape):
         raise ValueError(
@@ -164,11 +163,7 @@ class Conv(eqx.nn.Conv):
     def _segment_ids(self, segment_ids, x_shape) -> jax.Array:
         """``(*spatial)`` ids for ``x (in_channels, *spatial)``, batched as ``masked_conv`` takes them."""
         if self.padding_mode != "ZEROS":
-            raise ValueError(
-                f"segment_ids with padding_mode={self.padding_mode!r}: that mode fills the border with copies of "
-                "values (wrapped, mirrored or repeated), which belong to no position of a document; use "
-                "padding_mode='ZEROS'"
-            )
+            refuse_segment_ids_with_copies("padding_mode", self.padding_mode, "padding_mode='ZEROS'")
         return _example_segment_ids(segment_ids, x_shape)
 
     def _pad(self, x: jax.Array) -> jax.Array:
@@ -178,7 +173,7 @@ class Conv(eqx.nn.Conv):
             pads = lax.padtype_to_pads(x.shape[1:], window, self.stride, self.padding)
         else:
             pads = list(self.padding)
-        return jnp.pad(x, [(0, 0), *pads], _PAD_MODES[self.padding_mode])
+        return pad_with_copies(x, pads, self.padding_mode, 1)
 
 
 MaskedConv = Conv

@@ -17,6 +17,7 @@ import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from maskconv_kernels._core.args import as_segment_ids
+from maskconv_kernels._modules import concrete_mask, pad_with_copies, refuse_segment_ids_with_copies
 from maskconv_kernels.masks import Mask, as_mask
 from maskconv_kernels.ops.masked_conv import masked_conv
 
@@ -36,14 +37,7 @@ def static_mask(mask, kernel_size, features: int) -> Mask | None:
     """
     if mask is None:
         return None
-    if isinstance(mask, jax.core.Tracer):
-        raise TypeError(
-            "mask is a traced value (built with jax.numpy inside a jitted init, nnx.eval_shape or another "
-            "transform?): which taps are read is fixed when the module is built, so the mask must be concrete. "
-            "Build it with NumPy (np.tril, np.broadcast_to, ...) or under jax.ensure_compile_time_eval(). "
-            "(flax's Conv multiplies the kernel by its mask, so it takes a traced one; this module never reads a "
-            "masked tap.)"
-        )
+    concrete_mask(mask, "flax's Conv")
     window = kernel_size_tuple(kernel_size)
     shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
     if shape == window:
@@ -118,8 +112,7 @@ def conv(
 
     if pads in ("CIRCULAR", "REFLECT"):
         dilated = [(k - 1) * d + 1 for k, d in zip(window, kernel_dilation)]
-        extra = [(0, 0)] + [((k - 1) // 2, k // 2) for k in dilated] + [(0, 0)]
-        inputs = jnp.pad(inputs, extra, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[pads])
+        inputs = pad_with_copies(inputs, [((k - 1) // 2, k // 2) for k in dilated], pads, 1)
         pads = "VALID"
 
     if any(d != 1 for d in input_dilation) and isinstance(pads, str):
@@ -153,10 +146,6 @@ def conv(
 def _check_segment_ids(segment_ids, inputs_shape, pads) -> jax.Array:
     """``segment_ids`` of ``inputs``' shape without channels, with a padding that copies no values."""
     if pads in ("CIRCULAR", "REFLECT"):
-        raise ValueError(
-            f"segment_ids with padding={pads!r}: that padding copies values across the border of each row, so a "
-            "document at one end would read another document's (CIRCULAR) or mirrored copies of its own (REFLECT); "
-            "pad with zeros ('SAME', 'CAUSAL' or explicit pairs), where no tap leaves its document"
-        )
+        refuse_segment_ids_with_copies("padding", pads, "'SAME', 'CAUSAL' or explicit pairs")
     what = "the inputs' shape without their channels, (*batch_dims, *spatial)"
     return as_segment_ids(segment_ids, tuple(inputs_shape[:-1]), what)

@@ -245,3 +245,12 @@ def test_mask_and_input_errors_name_the_shapes():
     with pytest.raises(ValueError, match=r"rank 3 .*shape \(1, 2, 5, 5\): vmap over a batch"):
         conv(jnp.ones((1, 2, 5, 5)))
     assert mk_eqx.MaskedConv is mk_eqx.Conv and mk_eqx.Conv2d.__name__ == "Conv2d"
+
+
+def test_a_traced_mask_says_how_to_make_it_concrete():
+    """The Flax modules' rule and words (maskconv_kernels._modules): which taps are read is fixed when built."""
+    def build(mask):
+        return mk_eqx.Conv2d(1, 2, 3, padding=1, mask=mask, key=jax.random.key(0)).weight
+
+    with pytest.raises(TypeError, match=r"mask is a traced value .*NumPy .*jax.ensure_compile_time_eval"):
+        jax.jit(build)(jnp.ones((3, 3)))
