@@ -19,6 +19,10 @@
 #   5. causal_conv against jnp.pad + lax.conv (cuDNN) at video VAE and audio
 #      codec layers, full pass and one streamed chunk, with each executable's
 #      memory (python -m maskconv_kernels.bench causal_conv --preset gpu)   -> causal_conv.jsonl
+#   5b. a serving scheduler's step (causal_conv1d_step: decode rows, prefill
+#      chunks mixed in, prefix caching) against its memory roofline and gather +
+#      lax.conv + scatter (python -m maskconv_kernels.bench serving --preset
+#      gpu); its rows are printed into the log (8 files already)           -> the log
 #   6. the kernel test suites, compiled on the GPU (PYTEST_PATHS), in
 #      parallel workers when pytest-xdist is there                          -> pytest.txt
 #   7. per-kernel timings on the headline shapes: cuDNN's fwd/dx/dw beside
@@ -55,6 +59,8 @@ SHORT_CONV_TIMEOUT=${SHORT_CONV_TIMEOUT:-75}
 SHORT_CONV_BUDGET=${SHORT_CONV_BUDGET:-50}  # cells started after this many seconds are skipped
 CAUSAL_CONV_TIMEOUT=${CAUSAL_CONV_TIMEOUT:-60}
 CAUSAL_CONV_BUDGET=${CAUSAL_CONV_BUDGET:-35}  # cells started after this many seconds are skipped
+SERVING_TIMEOUT=${SERVING_TIMEOUT:-45}
+SERVING_BUDGET=${SERVING_BUDGET:-25}  # cells started after this many seconds are skipped
 mkdir -p "$OUT"
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -131,6 +137,14 @@ timeout "$CAUSAL_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench causal_conv -
   --time-budget "$CAUSAL_CONV_BUDGET" --no-chart --out "$OUT" --name causal_conv | tail -3
 STATUS[causal_conv]=${PIPESTATUS[0]}
 rm -f "$OUT/causal_conv.md"  # its tables are in the log (the summary); the device returns 8 files at most
+
+stage "5b. a serving step against its memory roofline and gather + lax.conv + scatter (budget ${SERVING_BUDGET}s, limit ${SERVING_TIMEOUT}s)"
+# The device returns 8 files at most: the rows go into the log, after the table.
+SERVING_DIR=$(mktemp -d)
+timeout "$SERVING_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench serving --preset gpu \
+  --time-budget "$SERVING_BUDGET" --no-chart --out "$SERVING_DIR" --name serving
+STATUS[serving]=$?
+echo "serving rows (jsonl):"; cat "$SERVING_DIR/serving.jsonl" 2>/dev/null
 
 stage "6. pytest, compiled on the GPU (limit ${PYTEST_TIMEOUT}s)"
 # -v: each test's name and result as it ends, so a run cut by its limit still names its
@@ -222,7 +236,7 @@ fi
 echo
 echo "| stage | exit status |"
 echo "|---|---|"
-for s in env seed leak_report bench short_conv causal_conv pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
+for s in env seed leak_report bench short_conv causal_conv serving pytest tune; do echo "| $s | ${STATUS[$s]} $( [ "${STATUS[$s]}" = 124 ] && echo '(timed out)') |"; done
 grep -E "passed|failed|error" "$OUT/pytest.txt" | tail -1
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "total $(( $(date +%s) - START ))s"

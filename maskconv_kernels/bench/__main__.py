@@ -27,6 +27,9 @@ MODES = {
     "causal_conv": ("causal_conv", "causal_conv against jnp.pad + lax.conv (VALID on time) at video VAE and audio "
                     "codec layers (forward, forward+backward), and causal_conv_stream against a concatenating cache "
                     "(one chunk, against its share of the full pass), with each executable's memory"),
+    "serving": ("serving", "a serving scheduler's step (causal_conv1d_step: decode rows, prefill chunks mixed with "
+                "them, prefix caching on) over a pool of float32 states against the bytes it must move and against "
+                "gather + lax.conv + scatter, with NaN isolation of the slots it does not read"),
     "roofline": ("roofline", "each linear map of the xla backend (forward, input gradient, weight gradient) "
                  "against a GEMM of the same FLOPs, and its extra memory"),
     "decode": ("decode", "generation with decode caches against naive generation, on the repository's example "

@@ -309,7 +309,7 @@ def chart(rows: list[dict], path: Path) -> None:
 
 def is_rows(rows: list[dict]) -> bool:
     """Whether ``rows`` (a ``.jsonl`` read back) are this benchmark's."""
-    return bool(rows) and all("ideal_bytes" in r and "implementation" in r for r in rows)
+    return bool(rows) and all("ideal_bytes" in r and "implementation" in r and "mode" in r for r in rows)
 
 
 def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:

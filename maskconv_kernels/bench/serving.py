@@ -1,0 +1,350 @@
+"""A serving scheduler's step: ``causal_conv1d_step`` against the bytes it must move and against what users write today.
+
+    python -m maskconv_kernels.bench serving --preset cpu --out DIR
+
+A step runs ``R`` requests over a pool of ``2R`` slots (float32 states, bfloat16
+tokens, width 4, SiLU, as hybrid models serve their short convolutions). Three kinds:
+
+* ``decode``: every request one token;
+* ``mixed``: an eighth of the requests a new request's first prefill chunk of
+  ``chunk`` tokens (its slot not read), the rest decode tokens (continuous batching);
+* ``prefix``: ``mixed`` with prefix caching on (the state after every ``block`` tokens
+  of a request written to a slot of its own), to set beside ``mixed`` (caching off).
+
+Timed in one process with samples interleaved (:mod:`.timing`), not donated (each
+timed call reuses its inputs):
+
+* ``causal_conv1d_step``: this library, ``implementation=None``;
+* ``gather+lax.conv+scatter`` (``decode`` and ``mixed``): the code users write today:
+  gather each request's slot, place its tokens after it in a dense ``(R, W - 1 + n_max,
+  D)`` block, ``lax.conv_general_dilated`` depthwise with ``VALID`` padding, take the
+  outputs back to the step's token order and scatter each request's last ``W - 1``
+  inputs to its slot.
+
+Beside each time, the memory roofline: the bytes the step must move (each request's
+window read and its state written, its tokens read and outputs written, each block state
+written, the weights once) over the memory bandwidth (an H200's HBM on a GPU; on a CPU,
+a large array add measured in the same run), and the fraction of it achieved. Each cell
+also checks its executables: the largest difference of the outputs and written states
+from the baseline's, and whether NaN in every slot the step does not read leaves every
+output and written state bit-identical.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..ops.causal_conv1d import causal_conv1d_step
+from .chart import publish
+from .exactness import differences
+from .machine import header, metadata
+from .sequence import H200_HBM_BYTES_PER_S, measure_bandwidth
+from .table import ms
+from .timing import DTYPES, Preset, add_grid_arguments, memory, overridden, preset_name, quantile, time_interleaved
+from .timing import within_budget
+
+KINDS = ("decode", "mixed", "prefix")
+OURS, BASELINE = "causal_conv1d_step", "gather+lax.conv+scatter"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """``R`` requests of one step, ``D`` channels, width ``W``; prefill chunks of ``chunk`` tokens."""
+
+    name: str
+    rows: int
+    dim: int
+    width: int
+    chunk: int
+    block: int  # the prefix cache's block size (the ``prefix`` kind)
+
+    def prefills(self, kind: str) -> int:
+        return 0 if kind == "decode" else max(1, self.rows // 8)
+
+    def lengths(self, kind: str) -> np.ndarray:
+        """Tokens per request: the prefill chunks first, then one token each."""
+        p = self.prefills(kind)
+        return np.array([self.chunk] * p + [1] * (self.rows - p), np.int32)
+
+
+def _shape(rows, dim, width=4, chunk=64, block=16):
+    return StepShape(f"R{rows}_D{dim}_W{width}", rows, dim, width, chunk, block)
+
+
+PRESETS = {
+    "cpu": (Preset(False, ("bfloat16",), KINDS, samples=7, min_sample_s=0.05, warmup=1, max_input_sets=1, peak_n=0),
+            (_shape(64, 2048), _shape(256, 2048))),
+    "gpu": (Preset(True, ("bfloat16",), KINDS, samples=15, min_sample_s=0.002, warmup=2, max_input_sets=1, peak_n=0),
+            (_shape(64, 2048), _shape(256, 2048), _shape(64, 8192), _shape(256, 8192))),
+    # A smoke test (CI, tests): tiny, float32.
+    "quick": (Preset(False, ("float32",), KINDS, samples=2, min_sample_s=0.0, warmup=1, max_input_sets=1, peak_n=0),
+              (_shape(8, 16, chunk=6, block=4),)),
+}
+
+
+_STEP_FIELDS = ["x", "pool", "weight", "bias", "query_start_loc", "state_indices", "has_initial_state",
+                "block_indices", "num_computed_tokens"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=_STEP_FIELDS, meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step's arrays: ``x (T, D)``, ``pool (2R, W - 1, D)`` and the scheduler's metadata (a pytree)."""
+
+    x: jax.Array
+    pool: jax.Array
+    weight: jax.Array
+    bias: jax.Array
+    query_start_loc: jax.Array
+    state_indices: jax.Array
+    has_initial_state: jax.Array  # prefill chunks start fresh: their slots are not read
+    block_indices: jax.Array | None
+    num_computed_tokens: jax.Array | None
+
+
+def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
+    """A step of ``kind``: slots a random half of the pool, the others left for NaN probes."""
+    rng = np.random.default_rng(seed)
+    lengths = shape.lengths(kind)
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    slots = rng.permutation(2 * shape.rows)[: shape.rows].astype(np.int32)
+    x = rng.standard_normal((int(qsl[-1]), shape.dim)).astype(np.float32)
+    pool = rng.standard_normal((2 * shape.rows, shape.width - 1, shape.dim)).astype(np.float32)
+    weight = (rng.standard_normal((shape.width, shape.dim)) / np.sqrt(shape.width)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(shape.dim)).astype(np.float32)
+    blocks = computed = None
+    if kind == "prefix":
+        # Prefill chunks start at token 0 of their request and cache every block they fill;
+        # their block slots are the pool's unread ones (a decode row crosses no boundary here).
+        per_row = shape.chunk // shape.block
+        free = np.setdiff1d(np.arange(2 * shape.rows), slots)
+        blocks = np.full((shape.rows, per_row), -1, np.int32)
+        p = shape.prefills(kind)
+        blocks[:p] = free[: p * per_row].reshape(p, per_row)
+        computed = np.where(lengths > 1, 0, 5).astype(np.int32)  # decode rows: 5 tokens in, no boundary at 6
+    as_x = lambda a: jnp.asarray(a).astype(dtype)  # noqa: E731
+    return Step(as_x(x), jnp.asarray(pool), jnp.asarray(weight), jnp.asarray(bias), jnp.asarray(qsl),
+                jnp.asarray(slots), jnp.asarray(lengths == 1), None if blocks is None else jnp.asarray(blocks),
+                None if computed is None else jnp.asarray(computed))
+
+
+def ours(shape: StepShape, kind: str):
+    """``f(step) -> (y, pool)``: ``causal_conv1d_step`` (prefix caching in the ``prefix`` kind)."""
+    caching = kind == "prefix"
+
+    def f(s: Step):
+        return causal_conv1d_step(
+            s.x, s.pool, s.weight, s.bias, query_start_loc=s.query_start_loc, state_indices=s.state_indices,
+            has_initial_state=s.has_initial_state, activation="silu", block_size=shape.block if caching else None,
+            block_indices=s.block_indices if caching else None,
+            num_computed_tokens=s.num_computed_tokens if caching else None,
+        )
+
+    return f
+
+
+def baseline(shape: StepShape, kind: str):
+    """``f(step) -> (y, pool)``: gather, a dense block per request, ``lax.conv``, scatter."""
+    lengths = shape.lengths(kind)
+    n_max, k = int(lengths.max()), shape.width - 1
+
+    def f(s: Step):
+        starts, n = s.query_start_loc[:-1], s.query_start_loc[1:] - s.query_start_loc[:-1]
+        # Each request's tokens, padded to n_max: (R, n_max, D), positions past n read token 0 (unused).
+        t = jnp.arange(n_max)
+        index = jnp.where(t[None] < n[:, None], starts[:, None] + t[None], 0)
+        tokens = s.x[index].astype(s.pool.dtype)
+        past = jnp.where(s.has_initial_state[:, None, None], s.pool[s.state_indices], 0)
+        window = jnp.concatenate([past, tokens], axis=1)  # (R, K + n_max, D)
+        y = lax.conv_general_dilated(
+            window, s.weight[:, None, :].astype(window.dtype), (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"),
+            feature_group_count=shape.dim, preferred_element_type=jnp.float32,
+        )
+        y = jax.nn.silu(y + s.bias).astype(s.x.dtype)  # (R, n_max, D)
+        # Back to the step's order: token i is row r's (i - start) output.
+        row = jnp.searchsorted(s.query_start_loc, jnp.arange(s.x.shape[0]), side="right") - 1
+        y = y[row, jnp.arange(s.x.shape[0]) - starts[row]]
+        # The last K inputs of each request: window positions n .. n + K - 1.
+        last = jnp.take_along_axis(window, (n[:, None] + jnp.arange(k)[None])[..., None], axis=1)
+        return y, s.pool.at[s.state_indices].set(last)
+
+    return f
+
+
+def ideal_bytes(shape: StepShape, kind: str, x_dtype, state_dtype) -> int:
+    """What the step must move: windows read and states written, tokens read and outputs written, block states
+    written, the weights once."""
+    state = (shape.width - 1) * shape.dim * np.dtype(state_dtype).itemsize
+    lengths = shape.lengths(kind)
+    tokens = int(lengths.sum()) * shape.dim * np.dtype(x_dtype).itemsize
+    read = int((lengths == 1).sum())  # prefill chunks start fresh
+    blocks = shape.prefills(kind) * (shape.chunk // shape.block) if kind == "prefix" else 0
+    return (read + shape.rows + blocks) * state + 2 * tokens + (shape.width + 1) * shape.dim * 4
+
+
+def _unread_slots_nan(s: Step) -> Step:
+    """The step with NaN in every pool slot it does not read (fresh requests' slots among them)."""
+    read = jnp.zeros(s.pool.shape[0], bool).at[s.state_indices].set(s.has_initial_state)
+    return dataclasses.replace(s, pool=jnp.where(read[:, None, None], s.pool, jnp.nan))
+
+
+def _written(s: Step, pool) -> jax.Array:
+    """The slots the step writes: its requests' (the block slots are checked by the NaN probe)."""
+    return pool[s.state_indices]
+
+
+def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta: dict, bandwidth: float) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    step = make_step(shape, kind, dtype)
+    found = {OURS: ours(shape, kind)}
+    if kind != "prefix":
+        found[BASELINE] = baseline(shape, kind)
+    base = {"shape": shape.name, **dataclasses.asdict(shape), "kind": kind, "tokens": int(step.x.shape[0]),
+            "dtype": dtype_name, "state_dtype": str(step.pool.dtype), "weight_dtype": "float32",
+            "ideal_bytes": ideal_bytes(shape, kind, dtype, step.pool.dtype), "bandwidth_bytes_per_s": bandwidth,
+            **meta}
+    rows, compiled = {}, {}
+    for name, f in found.items():
+        row = dict(base, implementation=name)
+        try:
+            t = time.perf_counter()
+            compiled[name] = jax.jit(f).lower(step).compile()
+            row["compile_s"] = time.perf_counter() - t
+            row.update(memory(compiled[name]))
+        except Exception as e:  # report it and carry on with the others
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        rows[name] = row
+    times = time_interleaved(compiled, [(step,)], preset)
+    roofline = base["ideal_bytes"] / bandwidth
+    for name, ts in times.items():
+        rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
+                          roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
+    if BASELINE in times and OURS in times:
+        rows[OURS][f"vs_{BASELINE}"] = rows[BASELINE]["median_s"] / rows[OURS]["median_s"]
+    probe = _unread_slots_nan(step)
+    outputs = {name: c(step) for name, c in compiled.items()}
+    for name, c in compiled.items():
+        y, pool = outputs[name]
+        y_nan, pool_nan = c(probe)
+        rows[name]["nan_isolated"] = bool(
+            np.array_equal(np.asarray(y), np.asarray(y_nan))
+            and np.array_equal(np.asarray(_written(step, pool)), np.asarray(_written(step, pool_nan)))
+        )
+        if name != BASELINE and BASELINE in outputs:
+            y_ref, pool_ref = outputs[BASELINE]
+            rows[name]["max_abs_diff_vs_baseline"] = max(
+                differences(y, y_ref)["max_abs_diff"],
+                differences(_written(step, pool), _written(step, pool_ref))["max_abs_diff"])
+    return list(rows.values())
+
+
+# --------------------------------------------------------------------------- output
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        f"Median ms (p20-p80) of one step; roofline = the bytes the step must move / bandwidth (the fraction of it "
+        f"achieved in brackets); vs baseline = {BASELINE}'s time over this row's; diff = the largest |difference| "
+        "of outputs and written states from the baseline's; NaN-isolated = NaN in every slot the step does not read "
+        "leaves every output and written state bit-identical.",
+        "",
+        "| shape | kind | tokens | dtype / state | implementation | median ms | p20-p80 ms | roofline ms (achieved) "
+        "| vs baseline | peak MiB | diff | NaN-isolated |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['kind']} | {r['tokens']} | {r['dtype']} / {r['state_dtype']} "
+                         f"| {r['implementation']} | error: {r['error'][:80]} ||||||")
+            continue
+        if "median_s" not in r:
+            continue
+        vs = r.get(f"vs_{BASELINE}")
+        peak = "—" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        diff = r.get("max_abs_diff_vs_baseline")
+        lines.append(
+            f"| {r['shape']} | {r['kind']} | {r['tokens']} | {r['dtype']} / {r['state_dtype']} | {r['implementation']} "
+            f"| {ms(r['median_s'])} | {ms(r['p20_s'])}-{ms(r['p80_s'])} | {ms(r['roofline_s'])} "
+            f"({100 * r['frac_roofline']:.0f}%) | {'—' if vs is None else f'{vs:.2f}x'} | {peak} "
+            f"| {'—' if diff is None else f'{diff:.3g}'} | {'yes' if r['nan_isolated'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rs = [r for r in rows if "median_s" in r]
+    cells = list(dict.fromkeys((r["shape"], r["kind"]) for r in rs))
+    names = list(dict.fromkeys(r["implementation"] for r in rs))
+    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(cells)), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [next((r["frac_roofline"] for r in rs if (r["shape"], r["kind"]) == c and r["implementation"] == name),
+                       0.0) for c in cells]
+        ax.bar(np.arange(len(cells)) + i * width, values, width, label=name)
+    ax.set_xticks(np.arange(len(cells)) + width / 2, [f"{s}\n{k}" for s, k in cells], fontsize=7)
+    ax.set_ylabel("fraction of the memory roofline")
+    ax.set_title(f"a serving step's short convolution: {rows[0]['device']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def is_rows(rows: list[dict]) -> bool:
+    """Whether ``rows`` (a ``.jsonl`` read back) are this benchmark's."""
+    return bool(rows) and all("kind" in r and "ideal_bytes" in r for r in rows)
+
+
+def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
+    """Prints the table; with ``out``, also writes ``out.md`` and (``chart_too``) ``out.png``."""
+    publish(header(rows) + "\n\n" + markdown(rows) + "\n", rows, out, chart_too, chart)
+
+
+def add_arguments(parser) -> None:
+    add_grid_arguments(parser, PRESETS, "cpu: 64 and 256 requests, D=2048, bfloat16 tokens, float32 states; gpu: "
+                       "also D=8192; quick: one tiny float32 step", "a substring of shape names (R<rows>_D<dim>_W<width>)",
+                       KINDS)
+
+
+def run(args) -> int:
+    """Times the grid; rows to ``args.prefix``.jsonl as they come, then the table and the chart."""
+    platform_name = jax.default_backend()
+    name = preset_name(args, platform_name)
+    preset, shapes = PRESETS[name]
+    preset = overridden(preset, args)
+    shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
+    if not shapes:
+        print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
+        return 2
+    out = args.prefix
+    meta = metadata(name, args.command)
+    bandwidth = H200_HBM_BYTES_PER_S if platform_name == "gpu" else measure_bandwidth(preset)
+    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
+          file=sys.stderr)
+    grid = [(s, d, k) for s in shapes for d in preset.dtypes for k in preset.modes]
+    print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
+    start, rows = time.perf_counter(), []
+    with open(f"{out}.jsonl", "w") as f:
+        for shape, dtype, kind in within_budget(grid, args.time_budget, start):
+            print(f"  {shape.name} {dtype} {kind}", file=sys.stderr, flush=True)
+            for row in run_cell(shape, dtype, kind, preset, meta, bandwidth):
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+    write_outputs(rows, out, chart_too=not args.no_chart)
+    return 0 if rows and not any("error" in r for r in rows) else 1

@@ -1,0 +1,57 @@
+"""The serving benchmark (maskconv_kernels.bench serving): its baseline computes the step, its rows carry their metadata."""
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from support.numerics import assert_close
+
+from maskconv_kernels.bench import serving
+from maskconv_kernels.bench.__main__ import main
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_the_baseline_computes_what_the_step_computes(kind):
+    """gather + lax.conv + scatter: the same outputs and written slots as causal_conv1d_step, the rest of the pool kept."""
+    _, (shape,) = serving.PRESETS["quick"]
+    step = serving.make_step(shape, kind, np.float32)
+    y, pool = jax.jit(serving.ours(shape, kind))(step)
+    y_ref, pool_ref = jax.jit(serving.baseline(shape, kind))(step)
+    scale = float(np.abs(np.asarray(step.x)).max() * np.abs(np.asarray(step.weight)).max() + 1)
+    assert_close(y, y_ref, np.float32, shape.width, scale)
+    np.testing.assert_array_equal(np.asarray(pool), np.asarray(pool_ref))  # copies of inputs: exact
+    unwritten = np.setdiff1d(np.arange(pool.shape[0]), np.asarray(step.state_indices))
+    np.testing.assert_array_equal(np.asarray(pool)[unwritten], np.asarray(step.pool)[unwritten])
+
+
+def test_the_ideal_bytes_count_each_read_and_write_once():
+    shape = serving.StepShape("s", rows=16, dim=8, width=4, chunk=8, block=4)
+    state, token, weights = 3 * 8 * 4, 8 * 2, 5 * 8 * 4  # float32 states, bfloat16 tokens, float32 weights
+    assert serving.ideal_bytes(shape, "decode", np.dtype("bfloat16"), np.float32) == 32 * state + 32 * token + weights
+    # Two prefill chunks of 8 (fresh: their slots not read), 14 decode rows; with caching, 2 blocks each.
+    mixed = (14 + 16) * state + 2 * (2 * 8 + 14) * token + weights
+    assert serving.ideal_bytes(shape, "mixed", np.dtype("bfloat16"), np.float32) == mixed
+    assert serving.ideal_bytes(shape, "prefix", np.dtype("bfloat16"), np.float32) == mixed + 4 * state
+
+
+def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
+    assert main(["serving", "--preset", "quick", "--no-chart", "--out", str(tmp_path), "--name", "q"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert {(r["kind"], r["implementation"]) for r in rows} == {
+        ("decode", serving.OURS), ("decode", serving.BASELINE), ("mixed", serving.OURS), ("mixed", serving.BASELINE),
+        ("prefix", serving.OURS)}
+    for r in rows:
+        assert "error" not in r, r["error"]
+        for key in ("device", "jax", "commit", "time_utc", "median_s", "roofline_s", "ideal_bytes", "state_dtype"):
+            assert key in r, key
+        assert r["p20_s"] <= r["median_s"] <= r["p80_s"] and 0 < r["frac_roofline"]
+        assert r["nan_isolated"]  # NaN in every slot the step does not read reaches nothing
+    assert all(r["max_abs_diff_vs_baseline"] < 1e-5 for r in rows if r["implementation"] == serving.OURS
+               and r["kind"] != "prefix")
+    printed = capsys.readouterr().out
+    assert "| R8_D16_W4 | prefix |" in printed
+    # The committed format renders back through the command line, as this mode's.
+    assert main(["render", str(tmp_path / "q.jsonl"), "--out", str(tmp_path / "again"), "--no-chart"]) == 0
+    assert "| R8_D16_W4 | decode |" in (tmp_path / "again" / "q.md").read_text()
