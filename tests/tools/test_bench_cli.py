@@ -58,7 +58,8 @@ def test_out_and_name_choose_the_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["run1.jsonl", "run1.md"]
 
 
-@pytest.mark.parametrize("name", ["cpu", "sequence_cpu_jax0.12", "roofline_cpu_jax0.10", "decode_cpu"])
+@pytest.mark.parametrize("name", ["cpu", "sequence_cpu_jax0.12", "roofline_cpu_jax0.10", "decode_cpu",
+                                  "serving_cpu_jax0.10"])
 def test_the_committed_results_still_render(name, tmp_path, capsys):
     committed = RESULTS / f"{name}.jsonl"
     before = committed.read_bytes()
