@@ -54,9 +54,15 @@ def _step(x, pool, qsl, slots, accepted, blocks):
         block_size=2, block_indices=blocks, num_computed_tokens=jnp.zeros(2, jnp.int32))
 
 
+def _tree_step(x, pool, qsl, slots, parents, path):
+    return mk.causal_conv1d_step(x, pool, WEIGHT, query_start_loc=qsl, state_indices=slots, parents=parents,
+                                 accepted_path=path)
+
+
 STEP_POOL = RNG.standard_normal((6, W, D)).astype(np.float32)  # one draft position beyond the window
 STEP_X = RNG.standard_normal((6, D)).astype(np.float32)
 GOOD_STEP = (jnp.array([0, 2, 4]), jnp.array([0, 1]), jnp.array([1, 2]), jnp.array([[2, 3], [4, 5]]))
+GOOD_TREE = (jnp.array([0, 2, 4]), jnp.array([0, 1]), jnp.array([-1, 0, -1, 0, 0, 0]), jnp.array([[0, 1], [1, -1]]))
 
 CASES = {  # name: (function, good arguments, bad arguments)
     "slot past the pool": (_update, (X2, POOL, np.array([0, 3])), (X2, POOL, np.array([0, 4]))),
@@ -71,6 +77,10 @@ CASES = {  # name: (function, good arguments, bad arguments)
                                (STEP_X, STEP_POOL, jnp.array([0, 2, 7]), *GOOD_STEP[1:])),
     "num_accepted_tokens past the drafts": (_step, (STEP_X, STEP_POOL, *GOOD_STEP),
                                             (STEP_X, STEP_POOL, *GOOD_STEP[:2], jnp.array([1, 3]), GOOD_STEP[3])),
+    "a parent after its child": (_tree_step, (STEP_X, STEP_POOL, *GOOD_TREE),
+                                 (STEP_X, STEP_POOL, *GOOD_TREE[:2], jnp.array([-1, 1, -1, 0, 0, 0]), GOOD_TREE[3])),
+    "accepted_path not increasing": (_tree_step, (STEP_X, STEP_POOL, *GOOD_TREE),
+                                     (STEP_X, STEP_POOL, *GOOD_TREE[:3], jnp.array([[1, 0], [1, -1]]))),
     "block slot past the pool": (_step, (STEP_X, STEP_POOL, *GOOD_STEP),
                                  (STEP_X, STEP_POOL, *GOOD_STEP[:3], jnp.array([[2, 3], [4, 6]]))),
 }

@@ -66,7 +66,8 @@ Where this differs from vLLM, on purpose:
   varlen rows of ``max_query_len`` tokens), so that a call that passes here runs there.
 * ``metadata`` (vLLM's precomputed Triton launch grid) is accepted and unused: there is no
   grid to launch. ``retrieve_parent_token`` (EAGLE draft trees) raises
-  ``NotImplementedError``.
+  ``NotImplementedError``: trees run in :func:`maskconv_kernels.causal_conv1d_step`
+  (``parents``, ``accepted_path``).
 * Derivatives are JAX's, with respect to ``x``, ``weight``, ``bias`` and the pool; an
   output's gradient is exactly zero at every pool element and token it does not read.
 
@@ -276,7 +277,9 @@ def causal_conv1d_update(
     if retrieve_parent_token is not None:
         raise NotImplementedError(
             "compat.vllm.causal_conv1d_update: retrieve_parent_token (EAGLE draft trees, each draft's window "
-            "following its parent chain) is not supported yet: verify drafts as a chain (num_accepted_tokens)"
+            "following its parent chain) is not supported by this face yet: verify drafts as a chain "
+            "(num_accepted_tokens), or run trees through maskconv_kernels.causal_conv1d_step(parents=..., "
+            "accepted_path=...)"
         )
     activation = _activation(UPDATE, activation)
     x, weight, pool = as_operand("x", x), as_operand("weight", weight), as_operand("conv_state", conv_state)

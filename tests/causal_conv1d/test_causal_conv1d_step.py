@@ -170,10 +170,20 @@ def test_the_pool_is_updated_in_place_under_jit_with_donation():
     (dict(state_indices=np.array([1, 1])), ValueError, r"state_indices names a slot for several rows.*got \[1 1\]"),
     (dict(block_size=4), ValueError, r"block_size needs block_indices"),
     (dict(x=np.zeros((2, 6, D), np.float16)), ValueError, r"x must be \(T, D\)"),
+    (dict(parents=np.array([-1, 1, -1, 0, 1, 0])), ValueError, r"parents must name.*an earlier token.*got \[-1  1"),
+    (dict(parents=np.zeros((5,), np.int32)), ValueError, r"parents must be \(T,\) = \(6,\) signed integers"),
+    (dict(parents=np.zeros((6,), np.int32) - 1, block_size=4, block_indices=np.zeros((2, 1), np.int32),
+          num_computed_tokens=np.zeros(2, np.int32)), ValueError, r"parents \(a tree of drafts\) with block_size"),
+    (dict(accepted_path=np.array([[0, -1], [-1, 0]])), ValueError, r"accepted_path must hold.*then -1"),
+    (dict(accepted_path=np.array([[0], [0]])), ValueError, r"accepted_path must be \(R, .*\) = \(2, 2\)"),
+    (dict(accepted_path=np.array([[0, 1], [0, 1]]), num_accepted_tokens=np.array([1, 1])), ValueError,
+     r"num_accepted_tokens and accepted_path say the same thing"),
 ])
 def test_bad_input_names_the_argument(changes, error, message):
     args = dict(x=np.zeros((6, D), np.float16), pool=np.zeros((4, 3, D), np.float32), weight=np.ones((4, D), np.float16),
                 query_start_loc=np.array([0, 2, 5]), state_indices=np.array([0, 1])) | changes
+    if "accepted_path" in changes:  # one draft position beyond the window
+        args["pool"] = np.zeros((4, 4, D), np.float32)
     with pytest.raises(error, match="^causal_conv1d_step: " + message):
         causal_conv1d_step(args.pop("x"), args.pop("pool"), args.pop("weight"), **args)
 

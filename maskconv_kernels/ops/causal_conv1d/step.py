@@ -8,7 +8,9 @@ slot holds, of its own document: the request's index as its segment id), so ever
 is the one ``causal_conv1d`` gives on the request's whole sequence, and no value crosses
 from one request, pad row or unused slot to another. The states after the step, and with
 prefix caching after every block boundary the step crosses, are the last inputs of each
-request's sequence: copies, exact in any dtype that holds x's values.
+request's sequence: copies, exact in any dtype that holds x's values. A step that verifies
+trees of drafts (``parents``) runs ``causal_conv1d`` once over each token's gathered window
+instead: its parent chain, then its slot.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def causal_conv1d_step(
     block_indices: jax.typing.ArrayLike | None = None,
     num_computed_tokens: jax.typing.ArrayLike | None = None,
     num_accepted_tokens: jax.typing.ArrayLike | None = None,
+    parents: jax.typing.ArrayLike | None = None,
+    accepted_path: jax.typing.ArrayLike | None = None,
     activation: str | None = None,
     dilation: int = 1,
     implementation: str | None = None,
@@ -100,6 +104,24 @@ def causal_conv1d_step(
         window before this step's tokens ends at the last accepted one, and the state
         written after them holds no rejected input. ``k + 1`` (``state_len - (W - 1) *
         dilation + 1``) for a row whose every previous token was accepted (a prefill).
+      parents: ``(T,)`` integers or ``None``, for a tree of drafts (EAGLE): each token's
+        parent, as its index among its request's tokens, or ``-1`` for a token that
+        follows the slot's inputs (the row's first token, the last accepted one). A
+        parent comes before its children (``parents[t] < t - query_start_loc[r]``). Each
+        token's window follows its parent chain, then the slot: a NaN in one branch
+        reaches no token of another. A row of chained tokens has parents ``-1, 0, ...,
+        n - 2``. The state written is the slot's inputs then every token, in the step's
+        order, as for a chain; the next step says which of them were accepted with
+        ``accepted_path``. Costs one convolution over ``T * ((W - 1) * dilation + 1)``
+        gathered inputs (each token's window). Not with ``positions`` or ``block_size``.
+      accepted_path: ``(R, k + 1)`` integers or ``None``, the step after a tree step: which
+        of the slot's last ``k + 1`` inputs stay in each row's history, as increasing
+        indices, then ``-1`` (at least one). After a step that carried ``1 + k`` tokens:
+        its accepted tokens, root first (a chain of its tree). After a step of ``n < 1 +
+        k`` tokens: ``0 .. k - n`` (the inputs before them), then ``k + 1 - n + j`` for
+        its accepted tokens ``j``. ``arange(k + 1)``: the whole slot is history (after a
+        prefill); ``arange(a)`` is ``num_accepted_tokens = a``. Not with
+        ``num_accepted_tokens``.
       positions: ``(T,)`` non-negative integers or ``None``: each token's position in its
         document (RecurrentGemma's ``segment_pos``), so that a new document can start
         inside a request's tokens, a multi-token decode chunk included: from a ``0`` on,
@@ -127,19 +149,24 @@ def causal_conv1d_step(
     fresh = None if has_initial_state is None else check_row_values("has_initial_state", has_initial_state, requests,
                                                                     "b", OP)
     blocks = _check_blocks(block_size, block_indices, num_computed_tokens, requests, slots)
-    accepted = None if num_accepted_tokens is None else _check_accepted(num_accepted_tokens, requests, state_len, window)
+    path = _check_acceptance(num_accepted_tokens, accepted_path, requests, state_len, window)
     starts = None if positions is None else _check_positions(positions, x.shape[0], blocks)
+    owner = _owners(qsl, x.shape[0])  # (T,): each token's request, R for padding
+    tree = None if parents is None else _check_parents(parents, qsl, owner, blocks, starts)
 
     rows = read_slots(pool, read)
-    if accepted is not None:
-        rows = _valid_history(rows, accepted, window)
+    if path is not None:
+        rows = _valid_history(rows, path, window)
     if fresh is not None:
         rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
     rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
-    owner = _owners(qsl, x.shape[0])  # (T,): each token's request, R for padding
     documents = None if starts is None else _documents(starts, qsl, owner)
-    y = _outputs(x, rows[:, state_len - window:].astype(x.dtype), weight, bias, qsl, owner, read, window, documents,
-                 activation=activation, dilation=dilation, implementation=implementation, interpret=interpret)
+    conv = dict(activation=activation, dilation=dilation, implementation=implementation, interpret=interpret)
+    before = rows[:, state_len - window:].astype(x.dtype)
+    if tree is None:
+        y = _outputs(x, before, weight, bias, qsl, owner, read, window, documents, **conv)
+    else:
+        y = _tree_outputs(x, before, weight, bias, qsl, owner, read, tree, window, **conv)
     counts = qsl[1:] - qsl[:-1]
     state = _state_after(rows, x, qsl, counts)
     if starts is not None:
@@ -207,15 +234,41 @@ def _outputs(x, before, weight, bias, qsl, owner, read, window: int, documents=N
     return jnp.where((ids >= 0)[:, None], y, jnp.zeros((), y.dtype))
 
 
-def _valid_history(rows, accepted, window: int):
+def _tree_outputs(x, before, weight, bias, qsl, owner, read, parents, window: int, **conv):
+    """``y (T, D)`` for tokens whose predecessors are named by ``parents`` (a draft tree):
+    each token's window (its ``window`` nearest ancestors, then the slot's last inputs,
+    zeros before them) gathered into a row of ``window + 1`` inputs, one ``causal_conv1d``
+    over those rows, each row's last output. Padding tokens and pad rows give zeros."""
+    tokens, requests = x.shape[0], before.shape[0]
+    held = requests * window  # the slots' inputs first, then the tokens, then one zero
+    zero = held + tokens
+    inputs = jnp.concatenate([before.reshape(held, x.shape[1]), x, jnp.zeros((1, x.shape[1]), x.dtype)])
+    row = jnp.minimum(owner, requests - 1)
+    previous_of_token = jnp.where(parents >= 0, held + jnp.take(qsl, row) + parents, row * window + window - 1)
+    entry = jnp.arange(held)
+    previous_of_entry = jnp.where(entry % window > 0, entry - 1, zero)
+    previous = jnp.concatenate([previous_of_entry, previous_of_token, jnp.full((1,), zero)])
+    chain = [held + jnp.arange(tokens)]
+    for _ in range(window):  # static: one gather of T indices per step back
+        chain.append(jnp.take(previous, chain[-1]))
+    windows = jnp.take(inputs, jnp.stack(chain[::-1], axis=1), axis=0)  # (T, window + 1, D)
+    y = causal_conv1d(windows, weight, bias, **conv)[:, -1]
+    kept = (owner < requests) & (jnp.take(read, row) != PAD_SLOT_ID)
+    return jnp.where(kept[:, None], y, jnp.zeros((), y.dtype))
+
+
+def _valid_history(rows, path, window: int):
     """The slots with their valid inputs moved to the end (zeros before): after a step of
-    ``1 + k`` tokens of which ``accepted`` were, the valid history is the first
-    ``window - 1 + accepted`` of the ``state_len = window + k`` inputs a slot holds."""
+    ``1 + k`` tokens whose accepted ones are ``path (R, k + 1)`` (indices, then ``-1``), the
+    valid history is the slot's first ``window - 1`` inputs (before that step's tokens),
+    then its inputs ``window - 1 + path``, of the ``state_len = window + k`` it holds."""
     state_len = rows.shape[1]
-    shift = state_len - (window - 1 + accepted)  # (R,): the rejected drafts at the end
-    source = jnp.arange(state_len)[None, :] - shift[:, None]
+    valid = window - 1 + jnp.sum(path >= 0, axis=1)  # (R,)
+    j = jnp.arange(state_len)[None, :] - (state_len - valid)[:, None]  # index in the valid history
+    on_path = jnp.take_along_axis(path, jnp.clip(j - (window - 1), 0, path.shape[1] - 1), axis=1)
+    source = jnp.where(j < window - 1, j, window - 1 + on_path)
     moved = jnp.take_along_axis(rows, jnp.clip(source, 0, state_len - 1)[..., None], axis=1)
-    return jnp.where((source >= 0)[..., None], moved, jnp.zeros((), rows.dtype))
+    return jnp.where((j >= 0)[..., None], moved, jnp.zeros((), rows.dtype))
 
 
 def _state_after(rows, x, qsl, consumed):
@@ -282,14 +335,51 @@ def _check_positions(positions, tokens: int, blocks):
     return positions == 0
 
 
-def _check_accepted(accepted, requests: int, state_len: int, window: int):
-    accepted = check_row_values("num_accepted_tokens", accepted, requests, "iu", OP)
+def _check_acceptance(accepted, path, requests: int, state_len: int, window: int):
+    """``(R, k + 1)`` int32: each row's accepted tokens of the previous step (``-1`` after),
+    from ``num_accepted_tokens`` (a chain: ``arange(a)``) or ``accepted_path``; or ``None``."""
     most = state_len - window + 1
-    OP.check((accepted >= 1) & (accepted <= most),
-             f"num_accepted_tokens must be in [1, state_len - (W - 1) * dilation + 1] = [1, {most}] (the slot holds "
-             f"{state_len - window} draft positions beyond the window), got {{num_accepted_tokens}}",
-             num_accepted_tokens=accepted)
-    return accepted.astype(jnp.int32)
+    if accepted is not None and path is not None:
+        raise OP.value("num_accepted_tokens and accepted_path say the same thing (for a chain of drafts and for a "
+                       "tree); pass one")
+    if accepted is not None:
+        accepted = check_row_values("num_accepted_tokens", accepted, requests, "iu", OP)
+        OP.check((accepted >= 1) & (accepted <= most),
+                 f"num_accepted_tokens must be in [1, state_len - (W - 1) * dilation + 1] = [1, {most}] (the slot "
+                 f"holds {state_len - window} draft positions beyond the window), got {{num_accepted_tokens}}",
+                 num_accepted_tokens=accepted)
+        index = jnp.arange(most, dtype=jnp.int32)
+        return jnp.where(index[None, :] < accepted.astype(jnp.int32)[:, None], index[None, :], -1)
+    if path is None:
+        return None
+    path = jnp.asarray(path)
+    if path.ndim != 2 or path.shape != (requests, most) or np.dtype(path.dtype).kind != "i":
+        raise OP.value(f"accepted_path must be (R, state_len - (W - 1) * dilation + 1) = ({requests}, {most}) signed "
+                       f"integers, got shape {tuple(path.shape)} of {np.dtype(path.dtype)}")
+    valid = path >= 0
+    prefix = valid[:, :-1] | ~valid[:, 1:]  # no index after a -1
+    increasing = (path[:, 1:] > path[:, :-1]) | ~valid[:, 1:]
+    OP.check((path >= -1) & (path < most) & valid[:, :1] & jnp.pad(prefix & increasing, ((0, 0), (1, 0)),
+                                                                    constant_values=True),
+             f"accepted_path must hold, per row, increasing indices in [0, {most}) (the accepted tokens of the "
+             "previous step, at least one), then -1; got {accepted_path}", accepted_path=path)
+    return path.astype(jnp.int32)
+
+
+def _check_parents(parents, qsl, owner, blocks, starts):
+    if blocks is not None or starts is not None:
+        raise OP.value("parents (a tree of drafts) with block_size or positions: prefix caching and documents count "
+                       "a request's tokens as a chain; pass one or the other")
+    parents = jnp.asarray(parents)
+    if tuple(parents.shape) != tuple(owner.shape) or np.dtype(parents.dtype).kind != "i":
+        raise OP.value(f"parents must be (T,) = {tuple(owner.shape)} signed integers (-1: the slot's inputs), got "
+                       f"shape {tuple(parents.shape)} of {np.dtype(parents.dtype)}")
+    requests = qsl.shape[0] - 1
+    within = jnp.arange(owner.shape[0]) - jnp.take(qsl, jnp.minimum(owner, requests))
+    OP.check((owner >= requests) | ((parents >= -1) & (parents < within)),
+             "parents must name, for each token of a request, an earlier token of it (its index among the "
+             "request's tokens) or -1 (the slot's inputs), got {parents}", parents=parents)
+    return parents.astype(jnp.int32)
 
 
 def _check_blocks(block_size, block_indices, num_computed_tokens, requests: int, slots: int):
