@@ -69,10 +69,14 @@ class Trace:
 class Server:
     """The simulated scheduler: ``step()`` builds and runs one step; requests come and go."""
 
-    def __init__(self, trace: Trace, seed: int, implementation=None, interpret=False):
+    def __init__(self, trace: Trace, seed: int, implementation=None, interpret=False, gated=False):
         self.t, self.rng = trace, np.random.default_rng(seed)
         self.w = jnp.asarray((0.5 * self.rng.standard_normal((trace.width, D))).astype(np.float32))
         self.b = jnp.asarray((0.5 * self.rng.standard_normal((D,))).astype(np.float32))
+        # gated: a Qwen3-Next-style layer around the convolution, each token's projections
+        # (mixed qkv, gate) in float32, the convolution's output gated and projected back.
+        project = lambda: jnp.asarray((self.rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32))
+        self.layer = (project(), project(), project()) if gated else None
         self.pool = jnp.full((trace.slots, trace.state_len, D), jnp.nan, trace.pool_dtype)
         self.free = list(range(trace.slots))
         self.rng.shuffle(self.free)
@@ -83,11 +87,22 @@ class Server:
         kw = dict(activation="silu", dilation=trace.dilation, implementation=implementation, interpret=interpret)
 
         def run(x, pool, qsl, read, write, fresh, extra):
-            return causal_conv1d_step(x, pool, self.w, self.b, query_start_loc=qsl, state_indices=read,
-                                      write_indices=write, has_initial_state=fresh,
-                                      block_size=None if tree else trace.block, **extra, **kw)
+            conv = lambda u: causal_conv1d_step(u, pool, self.w, self.b, query_start_loc=qsl, state_indices=read,
+                                                write_indices=write, has_initial_state=fresh,
+                                                block_size=None if tree else trace.block, **extra, **kw)
+            return self.around(conv, x)
 
         self.run = jax.jit(run, donate_argnums=1)
+
+    def around(self, conv, x):
+        """``conv(x)`` (its outputs and what it returns beside them), inside the gated layer if any."""
+        if self.layer is None:
+            return conv(x)
+        w_in, w_gate, w_out = self.layer
+        mixed = (x.astype(jnp.float32) @ w_in).astype(x.dtype)
+        y, *rest = conv(mixed)
+        gate = jax.nn.silu(x.astype(jnp.float32) @ w_gate)
+        return ((y.astype(jnp.float32) * gate) @ w_out).astype(x.dtype), *rest
 
     # ------------------------------------------------------------------ requests
     def admit(self):
@@ -158,7 +173,8 @@ class Server:
         y, self.pool = self.run(jnp.asarray(x), self.pool, jnp.asarray(qsl, jnp.int32), jnp.asarray(read, jnp.int32),
                                 jnp.asarray(write, jnp.int32), jnp.asarray(fresh), extra)
         y = np.asarray(y)
-        assert (y[qsl[len(plans)]:] == 0).all(), "padding and pad rows give zeros"
+        if self.layer is None:  # (the gate of a NaN padding token is NaN: the layer's padding is not zeros)
+            assert (y[qsl[len(plans)]:] == 0).all(), "padding and pad rows give zeros"
         for i, (r, n, accepted, par) in enumerate(plans):
             r.outs.append(y[qsl[i]:qsl[i + 1]][accepted])
             self.accept(r, n, accepted)
@@ -203,36 +219,49 @@ class Server:
     # ------------------------------------------------------------------ checks
     def history(self, r: Request, upto: int) -> np.ndarray:
         """The last ``state_len`` inputs of the request's first ``upto`` tokens, zeros before."""
-        padded = np.concatenate([np.zeros((self.t.state_len, D)), np.asarray(r.seq[:upto], np.float64)])
+        inputs = r.seq[:upto]
+        if self.layer is not None:  # the convolution's inputs: the mixed projection
+            inputs = np.asarray((jnp.asarray(inputs, jnp.float32) @ self.layer[0]).astype(inputs.dtype))
+        padded = np.concatenate([np.zeros((self.t.state_len, D)), np.asarray(inputs, np.float64)])
         return padded[len(padded) - self.t.state_len:]
+
+    def same(self, actual, expected):
+        """Bit for bit (copies of inputs), or, inside the gated layer, within the rounding of
+        its projection, which the step's program and this check compute apart."""
+        if self.layer is None:
+            np.testing.assert_array_equal(actual, expected)
+        else:
+            np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
 
     def check_slot(self, r: Request):
         slot = np.asarray(np.asarray(self.pool[r.slot]), np.float64)
         if self.t.drafts == 0:
-            np.testing.assert_array_equal(slot, self.history(r, r.done))
+            self.same(slot, self.history(r, r.done))
         else:  # the valid history the next step would read ends the slot's kept inputs
             kept = np.concatenate([slot[:self.t.window - 1], slot[self.t.window - 1 + r.path[r.path >= 0]]])
-            np.testing.assert_array_equal(kept[-self.t.window:], self.history(r, r.done)[-self.t.window:])
+            self.same(kept[-self.t.window:], self.history(r, r.done)[-self.t.window:])
 
     def check(self):
         t = self.t
         for r in self.finished + self.running:
             if r.done == r.start:
                 continue
-            full = np.asarray(causal_conv1d(jnp.asarray(r.seq[:r.done])[None], self.w, self.b, activation="silu",
-                                            dilation=t.dilation)[0])
+            full = np.asarray(self.around(lambda u: (causal_conv1d(u[None], self.w, self.b, activation="silu",
+                                                                  dilation=t.dilation)[0],), jnp.asarray(r.seq[:r.done]))[0])
             scale = float(np.abs(r.seq.astype(np.float64)).max() * np.abs(np.asarray(self.w)).max() * t.width + 1)
+            scale *= 1 if self.layer is None else D * D  # two projections of D terms around it
             assert_close(np.concatenate(r.outs), full[r.start:], t.x_dtype, t.width, scale)
         for r in self.running:
             self.check_slot(r)
         pool = np.asarray(np.asarray(self.pool), np.float64)
         for r, m, slot in self.cached:
-            np.testing.assert_array_equal(pool[slot], self.history(r, (m + 1) * t.block))
+            self.same(pool[slot], self.history(r, (m + 1) * t.block))
         owned = {r.slot for r in self.running} | {s for _, _, s in self.cached}
         assert np.isnan(pool[[s for s in range(t.slots) if s not in owned]]).all(), "slots nobody owns are NaN"
 
 
 def replay(trace: Trace, steps: int, seed: int, **kw) -> Server:
+    """``steps`` random steps, then every check."""
     server = Server(trace, seed, **kw)
     for _ in range(steps):
         server.step()
@@ -257,6 +286,13 @@ def test_speculative_trees_pad_rows_and_slot_reuse(trace):
 def test_prefix_cache_hits_chunks_and_slot_reuse(trace):
     server = replay(trace, 40, seed=10 + trace.width)
     assert server.cached
+
+
+def test_a_qwen3_next_style_gated_layer_served_equals_its_full_pass():
+    """In-projection, the short convolution over the mixed channels, SiLU gate, out-projection:
+    served through trees of drafts and chunked prefills, each request's accepted outputs
+    equal the layer's full pass on its sequence."""
+    replay(Trace(4, drafts=3), 30, seed=5, gated=True)
 
 
 @pytest.mark.slow

@@ -93,7 +93,8 @@ def causal_conv1d_step(
         slot ``block_indices`` names for that block.
       block_indices: ``(R, M)`` integers with ``block_size``: slot ``block_indices[r, m]``
         receives request ``r``'s state after ``(m + 1) * K`` tokens if this step crosses
-        that boundary (``PAD_SLOT_ID``: not cached). ``M`` is static.
+        that boundary (``PAD_SLOT_ID``: not cached; so for a boundary that unverified
+        drafts cross, whose state could hold a rejected one). ``M`` is static.
       num_computed_tokens: ``(R,)`` integers with ``block_size``: how many tokens each
         request had before this step.
       num_accepted_tokens: ``(R,)`` integers or ``None``, for speculative decoding: a row
