@@ -26,10 +26,8 @@ with no more memory; a streamed chunk within ``1.25x`` of its share of the full 
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -44,10 +42,7 @@ from .exactness import differences, measure
 from .machine import cache_bytes, header, metadata
 from .shapes import CAUSAL_SHAPES, CausalShape
 from .table import leak_cell, mib, ms, nan_cell
-from .timing import (
-    DTYPES, Preset, add_grid_arguments, memory, n_input_sets, overridden, preset_name, quantile, time_interleaved,
-    within_budget,
-)
+from .timing import DTYPES, Preset, add_grid_arguments, memory, n_input_sets, quantile, run_grid, select, time_interleaved
 
 MODES = ("fwd", "fwd+bwd", "stream")
 OURS, BASELINE = "causal_conv", "jnp.pad + lax.conv"
@@ -409,32 +404,19 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Times the grid; rows to ``args.prefix``.jsonl as they come, then the tables and the chart."""
     platform_name = jax.default_backend()
-    name = preset_name(args, platform_name)
-    preset, shapes = PRESETS[name]
     if args.list_shapes:
         for s in CAUSAL_SHAPES:
             print(f"{s.name}: x (N, {', '.join(map(str, (s.frames, *s.spatial)))}, {s.c_in}), kernel "
                   f"{s.kernel_shape}, time stride {s.stride}, {s.padding_mode}, chunks of {s.chunk}, N={s.batch} "
                   f"(gpu) / {s.small_batch} (cpu){', in the cpu preset' if s.cpu else ''}")
         return 0
-    preset = overridden(preset, args)
-    shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
+    name, preset, shapes = select(args, PRESETS, platform_name)
     if not shapes:
-        print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
-    grid = cells(shapes, preset)
-    print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
-    start, rows = time.perf_counter(), []
-    with open(f"{out}.jsonl", "w") as f:
-        for shape, dtype, mode in within_budget(grid, args.time_budget, start):
-            t = time.perf_counter()
-            for row in run_cell(shape, dtype, mode, preset, meta, platform_name):
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            print(f"  {shape.name} {dtype} {mode}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    rows = run_grid(cells(shapes, preset), lambda _, *cell: run_cell(*cell, preset, meta, platform_name), out,
+                    args.time_budget, f"{meta['device']} (preset {name})")
     if rows:
         write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1

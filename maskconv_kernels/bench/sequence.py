@@ -30,7 +30,6 @@ prints the tables and the goals last.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -46,9 +45,7 @@ from .chart import publish
 from .exactness import differences, measure
 from .machine import header, metadata
 from .table import leak_cell, ms, nan_cell
-from .timing import (
-    DTYPES, Preset, add_grid_arguments, memory, overridden, preset_name, quantile, time_interleaved, within_budget,
-)
+from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_grid, select, time_interleaved
 
 MODES = ("fwd", "bwd", "fwd+bwd", "decode")
 OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
@@ -333,12 +330,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Times the grid; rows to ``args.prefix``.jsonl as they come, then the tables and the chart."""
     platform_name = jax.default_backend()
-    name = preset_name(args, platform_name)
-    preset, shapes = PRESETS[name]
-    preset = overridden(preset, args)
-    shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
+    name, preset, shapes = select(args, PRESETS, platform_name)
     if not shapes:
-        print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
@@ -346,15 +339,8 @@ def run(args) -> int:
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
           file=sys.stderr)
     found = formulations(platform_name, name)
-    grid = cells(shapes, preset)
-    print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
-    start, rows = time.perf_counter(), []
-    with open(f"{out}.jsonl", "w") as f:
-        for i, (shape, dtype, mode) in enumerate(within_budget(grid, args.time_budget, start)):
-            print(f"  {shape.name} {dtype} {mode}", file=sys.stderr, flush=True)
-            for row in run_cell(shape, dtype, mode, preset, meta, bandwidth, found, compare=i == 0):
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-            f.flush()
+    rows = run_grid(cells(shapes, preset),
+                    lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0),
+                    out, args.time_budget, f"{meta['device']} (preset {name})")
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1

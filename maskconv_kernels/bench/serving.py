@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import statistics
 import sys
 import time
@@ -50,8 +49,7 @@ from .exactness import differences
 from .machine import header, metadata
 from .sequence import H200_HBM_BYTES_PER_S, measure_bandwidth
 from .table import ms
-from .timing import DTYPES, Preset, add_grid_arguments, memory, overridden, preset_name, quantile, time_interleaved
-from .timing import within_budget
+from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_grid, select, time_interleaved
 
 KINDS = ("decode", "mixed", "prefix")
 OURS, BASELINE = "causal_conv1d_step", "gather+lax.conv+scatter"
@@ -324,12 +322,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """Times the grid; rows to ``args.prefix``.jsonl as they come, then the table and the chart."""
     platform_name = jax.default_backend()
-    name = preset_name(args, platform_name)
-    preset, shapes = PRESETS[name]
-    preset = overridden(preset, args)
-    shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
+    name, preset, shapes = select(args, PRESETS, platform_name)
     if not shapes:
-        print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
@@ -337,14 +331,7 @@ def run(args) -> int:
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
           file=sys.stderr)
     grid = [(s, d, k) for s in shapes for d in preset.dtypes for k in preset.modes]
-    print(f"{len(grid)} cells on {meta['device']} (preset {name}); writing {out}.jsonl", file=sys.stderr)
-    start, rows = time.perf_counter(), []
-    with open(f"{out}.jsonl", "w") as f:
-        for shape, dtype, kind in within_budget(grid, args.time_budget, start):
-            print(f"  {shape.name} {dtype} {kind}", file=sys.stderr, flush=True)
-            for row in run_cell(shape, dtype, kind, preset, meta, bandwidth):
-                rows.append(row)
-                f.write(json.dumps(row) + "\n")
-            f.flush()
+    rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth), out, args.time_budget,
+                    f"{meta['device']} (preset {name})")
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1

@@ -10,6 +10,7 @@ ratios much less. Compilation happens before any timed call.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import statistics
 import sys
@@ -79,6 +80,35 @@ def within_budget(grid, budget: float | None, start: float):
             print(f"\ntime budget of {budget:.0f} s spent: {len(grid) - i} cells skipped", file=sys.stderr)
             return
         yield cell
+
+
+def select(args, presets: dict, platform_name: str) -> tuple[str, Preset, list]:
+    """The preset ``args`` ask for (its name, with ``--dtypes`` and ``--modes`` applied) and
+    its shapes whose names contain ``--shapes``; none: says so on stderr."""
+    name = preset_name(args, platform_name)
+    preset, shapes = presets[name]
+    shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
+    if not shapes:
+        print(f"no shape of preset {name} matches --shapes {args.shapes!r}", file=sys.stderr)
+    return name, overridden(preset, args), shapes
+
+
+def run_grid(grid, run_cell, out: str, budget: float | None, where: str) -> list[dict]:
+    """``run_cell(i, *cell)`` for each cell of ``grid`` started within ``budget`` seconds, its
+    rows appended to ``out``.jsonl as they come (a run cut short keeps what it measured);
+    progress on stderr: each cell before it runs, then its seconds."""
+    print(f"{len(grid)} cells on {where}; writing {out}.jsonl", file=sys.stderr)
+    start, rows = time.perf_counter(), []
+    with open(f"{out}.jsonl", "w") as f:
+        for i, cell in enumerate(within_budget(grid, budget, start)):
+            t = time.perf_counter()
+            print("  " + " ".join(str(getattr(v, "name", v)) for v in cell), end="", file=sys.stderr, flush=True)
+            for row in run_cell(i, *cell):
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(f": {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    return rows
 
 
 def time_interleaved(fns: dict, argsets, preset: Preset) -> dict[str, list[float]]:

@@ -305,7 +305,8 @@ def test_thousands_of_steps(trace):
 @pytest.mark.slow
 @pytest.mark.parametrize("implementation", implementation_params())
 @pytest.mark.parametrize("trace", [Trace(4, drafts=2, tokens=16, rows=3, longest=8),
-                                   Trace(4, block=4, tokens=16, rows=3, longest=12)],
-                         ids=["trees", "cache"])
+                                   Trace(4, block=4, tokens=16, rows=3, longest=12),
+                                   Trace(3, drafts=1, tokens=16, rows=3, longest=8, x_dtype=BF16)],
+                         ids=["trees", "cache", "trees_bf16_f32pool"])
 def test_every_backend_interpreted(implementation, trace):
     replay(trace, 8, seed=7, implementation=implementation, interpret=implementation != "xla")
