@@ -42,6 +42,35 @@ def draw(draw_fn, rows: list[dict], path) -> None:
         draw_fn(rows, path)
 
 
+def roofline_bars(rows: list[dict], path, group: str, ylabel: str, title: str, sort: bool = False) -> None:
+    """Bars of ``frac_roofline`` (the fraction of the memory roofline) per ``(shape, rows[group])``
+    cell, one per implementation, to the image file ``path``; ``sort``: cells sorted, else as
+    they come. The sequence and serving benchmarks' charts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = [r for r in rows if "median_s" in r]
+    cells = list(dict.fromkeys((r["shape"], r[group]) for r in rows))
+    cells = sorted(cells) if sort else cells
+    names = list(dict.fromkeys(r["implementation"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells)), 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        values = [next((r["frac_roofline"] for r in rows if (r["shape"], r[group]) == c and r["implementation"] == name),
+                       0.0) for c in cells]
+        ax.bar(np.arange(len(cells)) + i * width, values, width, label=name)
+    ax.set_xticks(np.arange(len(cells)) + (len(names) - 1) * width / 2, [f"{s}\n{g}" for s, g in cells], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}: {rows[0]['device']}" if rows else title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def chart(rows: list[dict], path) -> None:
     """Draws ``rows`` (the benchmark's, read back or fresh) to the image file ``path``."""
     import matplotlib

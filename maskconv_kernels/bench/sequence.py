@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
-from .chart import publish
+from .chart import publish, roofline_bars
 from .exactness import differences, measure
 from .machine import header, metadata
 from .table import leak_cell, ms, nan_cell
@@ -175,6 +175,14 @@ def measure_bandwidth(preset: Preset) -> float:
     return 3 * 4 * n / statistics.median(times["add"])
 
 
+def roofline_bandwidth(platform_name: str, preset: Preset) -> float:
+    """Bytes per second for the rooflines: the H200's HBM on a GPU, measured elsewhere; said on stderr."""
+    gpu = platform_name == "gpu"
+    bandwidth = H200_HBM_BYTES_PER_S if gpu else measure_bandwidth(preset)
+    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if gpu else 'measured'})", file=sys.stderr)
+    return bandwidth
+
+
 def _inputs(shape: SeqShape, dtype, n_sets: int, mode: str = "fwd"):
     """``(x, w, b, dy)``; in ``decode``, ``(x (B, D), w, b, state (B, W - 1, D))``."""
     if mode == "decode":
@@ -281,27 +289,8 @@ def targets(rows: list[dict]) -> str:
 
 
 def chart(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rs = [r for r in rows if r["mode"] == "fwd+bwd" and "median_s" in r]
-    cells = sorted({(r["shape"], r["dtype"]) for r in rs})
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cells)), 4))
-    names = list(dict.fromkeys(r["implementation"] for r in rs))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        values = [next((r["frac_roofline"] for r in rs if (r["shape"], r["dtype"]) == c and r["implementation"] == name),
-                       0.0) for c in cells]
-        ax.bar(np.arange(len(cells)) + i * width, values, width, label=name)
-    ax.set_xticks(np.arange(len(cells)) + width, [f"{s}\n{d}" for s, d in cells], fontsize=7)
-    ax.set_ylabel("fraction of the memory roofline (fwd+bwd)")
-    ax.set_title(f"causal conv1d, forward + backward: {rows[0]['device']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    roofline_bars([r for r in rows if r["mode"] == "fwd+bwd"], path, "dtype", "fraction of the memory roofline (fwd+bwd)",
+                  "causal conv1d, forward + backward", sort=True)
 
 
 def is_rows(rows: list[dict]) -> bool:
@@ -335,9 +324,7 @@ def run(args) -> int:
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
-    bandwidth = H200_HBM_BYTES_PER_S if platform_name == "gpu" else measure_bandwidth(preset)
-    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
-          file=sys.stderr)
+    bandwidth = roofline_bandwidth(platform_name, preset)
     found = formulations(platform_name, name)
     rows = run_grid(cells(shapes, preset),
                     lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0),

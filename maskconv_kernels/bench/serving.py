@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -44,10 +43,10 @@ import numpy as np
 from jax import lax
 
 from ..ops.causal_conv1d import causal_conv1d_step
-from .chart import publish
+from .chart import publish, roofline_bars
 from .exactness import differences
 from .machine import header, metadata
-from .sequence import H200_HBM_BYTES_PER_S, measure_bandwidth
+from .sequence import roofline_bandwidth
 from .table import ms
 from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_grid, select, time_interleaved
 
@@ -280,27 +279,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def chart(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rs = [r for r in rows if "median_s" in r]
-    cells = list(dict.fromkeys((r["shape"], r["kind"]) for r in rs))
-    names = list(dict.fromkeys(r["implementation"] for r in rs))
-    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(cells)), 4))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        values = [next((r["frac_roofline"] for r in rs if (r["shape"], r["kind"]) == c and r["implementation"] == name),
-                       0.0) for c in cells]
-        ax.bar(np.arange(len(cells)) + i * width, values, width, label=name)
-    ax.set_xticks(np.arange(len(cells)) + width / 2, [f"{s}\n{k}" for s, k in cells], fontsize=7)
-    ax.set_ylabel("fraction of the memory roofline")
-    ax.set_title(f"a serving step's short convolution: {rows[0]['device']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    roofline_bars(rows, path, "kind", "fraction of the memory roofline", "a serving step's short convolution")
 
 
 def is_rows(rows: list[dict]) -> bool:
@@ -327,9 +306,7 @@ def run(args) -> int:
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
-    bandwidth = H200_HBM_BYTES_PER_S if platform_name == "gpu" else measure_bandwidth(preset)
-    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if platform_name == 'gpu' else 'measured'})",
-          file=sys.stderr)
+    bandwidth = roofline_bandwidth(platform_name, preset)
     grid = [(s, d, k) for s in shapes for d in preset.dtypes for k in preset.modes]
     rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth), out, args.time_budget,
                     f"{meta['device']} (preset {name})")
