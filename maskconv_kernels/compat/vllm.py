@@ -65,9 +65,11 @@ Where this differs from vLLM, on purpose:
   does not (its widths, ``block_size_to_align`` a multiple of 8, ``pad_slot_id`` given,
   varlen rows of ``max_query_len`` tokens), so that a call that passes here runs there.
 * ``metadata`` (vLLM's precomputed Triton launch grid) is accepted and unused: there is no
-  grid to launch. ``retrieve_parent_token`` (EAGLE draft trees) raises
-  ``NotImplementedError``: trees run in :func:`maskconv_kernels.causal_conv1d_step`
-  (``parents``, ``accepted_path``).
+  grid to launch.
+* ``retrieve_parent_token (B, L)`` (EAGLE draft trees): each token after a row's first
+  convolves along its parent chain, then the window, as vLLM's kernel walks it, for any
+  width (vLLM's: 2 to 4); the states are written as without it. A parent that is not an
+  earlier token of the row (vLLM's kernel would read outside the row) is refused.
 * Derivatives are JAX's, with respect to ``x``, ``weight``, ``bias`` and the pool; an
   output's gradient is exactly zero at every pool element and token it does not read.
 
@@ -266,7 +268,10 @@ def causal_conv1d_update(
       pad_slot_id: static: a row whose read slot is this is padding. ``None``: no row is.
       block_idx_last_scheduled_token, initial_state_idx: ``(B,)`` columns of
         ``conv_state_indices`` (APC).
-      retrieve_parent_token: EAGLE draft trees: not supported (``NotImplementedError``).
+      retrieve_parent_token: ``(B, L)`` integers or ``None``, EAGLE draft trees: for each
+        token after a row's first, the index of its parent among the row's tokens (column
+        0 is not read); the token's window follows its parent chain, then the window read
+        from the slot. The states are written as without it.
       validate_data: also check what vLLM's kernels need and this face does not.
       implementation, interpret: as in :func:`maskconv_kernels.causal_conv1d`.
 
@@ -274,13 +279,6 @@ def causal_conv1d_update(
       ``out`` shaped like ``x`` in x's dtype, and the new pool, shaped and typed as
       ``conv_state``.
     """
-    if retrieve_parent_token is not None:
-        raise NotImplementedError(
-            "compat.vllm.causal_conv1d_update: retrieve_parent_token (EAGLE draft trees, each draft's window "
-            "following its parent chain) is not supported by this face yet: verify drafts as a chain "
-            "(num_accepted_tokens), or run trees through maskconv_kernels.causal_conv1d_step(parents=..., "
-            "accepted_path=...)"
-        )
     activation = _activation(UPDATE, activation)
     x, weight, pool = as_operand("x", x), as_operand("weight", weight), as_operand("conv_state", conv_state)
     bias = None if bias is None else as_operand("bias", bias)
@@ -329,9 +327,38 @@ def causal_conv1d_update(
     else:
         span = slot_len - window + 1 if longest is None else longest  # the tokens a sliding window holds
         offset = _check_accepted(num_accepted_tokens, rows, live, counts, window, slot_len, span, width)
-    return _decode(x, weight, bias, pool, qsl, read, write, live, offset, activation=activation,
+    parents = None
+    if retrieve_parent_token is not None:
+        if validate_data and width > 4:
+            raise UPDATE.value(f"validate_data=True: vLLM's causal_conv1d_update walks draft trees for widths 2 to 4, "
+                               f"got {width}")
+        tokens = int(x.shape[0]) if varlen else int(x.shape[0]) * length
+        parents = _tree_parents(retrieve_parent_token, qsl, tokens, rows, longest)
+    return _decode(x, weight, bias, pool, qsl, read, write, live, offset, parents, activation=activation,
                    pad_slot_id=pad_slot_id, varlen=varlen, span=span, implementation=implementation,
                    interpret=interpret)
+
+
+def _tree_parents(retrieve_parent_token, qsl, tokens: int, rows: int, longest: int | None) -> jax.Array:
+    """``(T,)`` int32: each token's parent among its row's tokens (``-1``: the row's first, whose
+    parent is the window), from vLLM's ``retrieve_parent_token (B, L)``, whose first column is
+    not read; ``-1`` for tokens of no row."""
+    parent = _integers(UPDATE, "retrieve_parent_token", retrieve_parent_token, "i")
+    if parent.ndim != 2 or parent.shape[0] != rows or (longest is not None and parent.shape[1] < longest):
+        raise UPDATE.value(f"retrieve_parent_token must be (B, L) = ({rows}, L), L >= every row's tokens, got shape "
+                           f"{tuple(parent.shape)}")
+    qsl = jnp.asarray(qsl, jnp.int32)
+    t = jnp.arange(tokens, dtype=jnp.int32)
+    row = jnp.searchsorted(qsl, t, side="right").astype(jnp.int32) - 1  # -1 before the first row, R after the last
+    owned = (row >= 0) & (row < rows)
+    r = jnp.clip(row, 0, rows - 1)
+    j = t - jnp.take(qsl, r)
+    named = jnp.asarray(parent, jnp.int32)[r, jnp.clip(j, 0, parent.shape[1] - 1)]
+    drafts = owned & (j > 0)
+    UPDATE.check(~drafts | ((named >= 0) & (named < j)),
+                 "retrieve_parent_token must name, for each token after a row's first, an earlier token of its row "
+                 "(vLLM's kernel walks to it), got {retrieve_parent_token}", retrieve_parent_token=parent)
+    return jnp.where(drafts, named, -1)
 
 
 # --------------------------------------------------------------------------- the compiled step
@@ -363,10 +390,12 @@ def _prefill(x, weight, bias, pool, qsl, read, write, live, fresh, table, blocks
 
 @functools.partial(jax.jit, static_argnames=("activation", "pad_slot_id", "varlen", "span", "implementation",
                                              "interpret"))
-def _decode(x, weight, bias, pool, qsl, read, write, live, offset, *, activation, pad_slot_id, varlen, span,
+def _decode(x, weight, bias, pool, qsl, read, write, live, offset, parents, *, activation, pad_slot_id, varlen, span,
             implementation, interpret):
     """``causal_conv1d_update`` on checked arguments: ``(out like x, new pool)``. ``span``: the
-    sliding window's tokens (``None``: no sliding window)."""
+    sliding window's tokens (``None``: no sliding window); ``parents``: a draft tree's
+    (``None``: chains). A tree changes the outputs only: the states are written as vLLM's
+    kernel writes them, the window and then the tokens in the row's order."""
     window = weight.shape[1] - 1
     rows, dim = qsl.shape[0] - 1, x.shape[1]
     counts = qsl[1:] - qsl[:-1]
@@ -374,7 +403,7 @@ def _decode(x, weight, bias, pool, qsl, read, write, live, offset, *, activation
     xt = x if varlen else jnp.swapaxes(x3, 1, 2).reshape(-1, dim)  # (T, dim): the step's layout
     xt = xt.astype(pool.dtype)  # vLLM's x.to(conv_state.dtype)
     h = _read(pool, read, offset[:, None] + jnp.arange(window))
-    y, end = _conv(xt, qsl, h, live, weight, bias, activation, implementation, interpret)
+    y, end = _conv(xt, qsl, h, live, weight, bias, activation, implementation, interpret, parents)
     writing = (live & (counts > 0))[:, None]
     if span is None:
         columns = jnp.broadcast_to(jnp.arange(window), (rows, window))
@@ -391,7 +420,7 @@ def _decode(x, weight, bias, pool, qsl, read, write, live, offset, *, activation
     return out, new_pool
 
 
-def _conv(xt, qsl, h, live, weight, bias, activation, implementation, interpret):
+def _conv(xt, qsl, h, live, weight, bias, activation, implementation, interpret, parents=None):
     """``(y (T, dim), end (R, W - 1, dim))`` by :func:`~maskconv_kernels.causal_conv1d_step`.
 
     ``h (R, W - 1, dim)`` (each row's window, already selected) is the step's pool, one slot
@@ -405,7 +434,7 @@ def _conv(xt, qsl, h, live, weight, bias, activation, implementation, interpret)
     return causal_conv1d_step(
         xt, h, weight.T, bias, query_start_loc=jnp.concatenate([jnp.zeros((1,), jnp.int32), qsl.astype(jnp.int32)]),
         state_indices=jnp.concatenate([pad, slots]), activation=activation, implementation=implementation,
-        interpret=interpret,
+        interpret=interpret, parents=parents,
     )
 
 

@@ -585,14 +585,64 @@ def test_pallas_triton_backend_interpreted():
     _assert_pool(new, expected_pool)
 
 
-def test_metadata_is_accepted_and_retrieve_parent_token_is_not_supported():
+def test_metadata_is_accepted_and_unused():
     x, weight, bias, pool, qsl = _fn_case(60, 3)
     out, _ = vllm.causal_conv1d_fn(x, weight, bias, pool, qsl, FN_SLOTS, FN_HAS_INIT, metadata=object())
     plain, _ = vllm.causal_conv1d_fn(x, weight, bias, pool, qsl, FN_SLOTS, FN_HAS_INIT)
     np.testing.assert_array_equal(_bits(out), _bits(plain))
-    with pytest.raises(NotImplementedError, match="retrieve_parent_token"):
-        vllm.causal_conv1d_update(np.zeros((1, D, 2), np.float32), np.zeros((1, D, 4), np.float32),
-                                  np.ones((D, 3), np.float32), retrieve_parent_token=np.zeros((1, 2), np.int32))
+
+
+def _chain_outputs(row, window, parents, weight, bias):
+    """Each token's output along its parent chain (a row ``(dim, n)``, its window ``(dim, W - 1)``):
+    ``causal_conv1d`` on the window then the chain, its last output."""
+    outs = []
+    for t in range(row.shape[1]):
+        chain = [t]
+        while chain[-1] > 0:
+            chain.append(int(parents[chain[-1]]))
+        u = np.concatenate([window, row[:, chain[::-1]]], axis=1)
+        outs.append(np.asarray(causal_conv1d(jnp.asarray(u.T)[None], weight.T, bias, activation="silu")[0, -1]))
+    return np.stack(outs, axis=1)
+
+
+@pytest.mark.parametrize("layout", ["multi", "varlen"])
+def test_update_retrieve_parent_token_walks_each_drafts_parent_chain(layout):
+    """EAGLE trees: each token's output is the chain's (its parent, grandparent, ..., then the
+    window read), a NaN draft reaches none of its siblings' or cousins' outputs, and the pool
+    is written as without the tree (vLLM's kernel writes the same states)."""
+    x, rows, qsl, pool, weight, bias = _update_case(70, 4, layout, 5)
+    tree = np.array([[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0]], np.int32)  # row 0: two siblings; row 2: a chain
+    x = np.array(x)
+    nan_draft = (0, slice(None), 1) if layout == "multi" else (1,)  # row 0's first draft
+    x[nan_draft] = np.nan
+    rows[0] = np.array(rows[0])
+    rows[0][:, 1] = np.nan
+    kw = dict(max_query_len=3, query_start_loc=qsl) if layout == "varlen" else {}
+    out, new = vllm.causal_conv1d_update(x, pool, weight, bias, "silu", UPDATE_SLOTS, retrieve_parent_token=tree, **kw)
+    plain_out, plain_pool = vllm.causal_conv1d_update(x, pool, weight, bias, "silu", UPDATE_SLOTS, **kw)
+    np.testing.assert_array_equal(_bits(new), _bits(plain_pool))
+    out = np.asarray(out, np.float64)
+    for i, slot in enumerate(UPDATE_SLOTS):
+        if slot == PAD or rows[i].shape[1] == 0:
+            continue
+        expected = _chain_outputs(np.asarray(rows[i], np.float64), np.asarray(pool[slot][:, :3], np.float64),
+                                  tree[i], np.asarray(weight, np.float64), np.asarray(bias, np.float64))
+        got = out[i] if layout == "multi" else out[qsl[i]:qsl[i + 1]].T
+        finite = np.isfinite(expected).all(axis=0)
+        assert_close(got[:, finite], expected[:, finite], F32, 4, float(np.abs(expected[:, finite]).max() + 1))
+        assert np.isnan(got[:, ~finite]).all()
+    assert np.isfinite(out[0][:, [0, 2]] if layout == "multi" else out[[0, 2]]).all(), "the NaN draft reached its sibling"
+
+
+def test_update_retrieve_parent_token_refuses_a_parent_outside_the_row():
+    x, _, _, pool, weight, bias = _update_case(71, 4, "multi", 3)
+    with pytest.raises(ValueError, match=r"retrieve_parent_token must name, for each token after a row's first, an "
+                                         r"earlier token"):
+        vllm.causal_conv1d_update(x, pool, weight, bias, "silu", UPDATE_SLOTS,
+                                  retrieve_parent_token=np.array([[0, 0, 2]] * 4, np.int32))
+    with pytest.raises(ValueError, match=r"retrieve_parent_token must be \(B, L\) = \(4, L\)"):
+        vllm.causal_conv1d_update(x, pool, weight, bias, "silu", UPDATE_SLOTS,
+                                  retrieve_parent_token=np.zeros((3, 3), np.int32))
 
 
 # --------------------------------------------------------------------- bad input
