@@ -6,6 +6,7 @@ Prefix caching with a chunk shorter than ``W - 1`` (vLLM#56196, Megatron#6711) i
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,3 +129,18 @@ def test_vllm_48375_a_block_crossed_by_drafts_is_not_cached():
     y, _ = causal_conv1d_step(jnp.asarray(x), pool, w, query_start_loc=jnp.array([0, 8]),
                               state_indices=jnp.array([3]), write_indices=jnp.array([5]), activation="silu")
     assert_close(y, _full(seq, w)[4:], F32, W, _scale(seq, w))
+
+
+def test_an_unchecked_parent_outside_its_row_reads_nan_not_another_request():
+    """Traced ``parents`` are checked under ``checkify`` only; unchecked, a parent that names a
+    token outside its row makes that token's output NaN (the bug shows) and no other
+    request's output changes."""
+    w = random(9, (W, D), F32)
+    x = jnp.asarray(random(10, (6, D), F32))
+    step = jax.jit(lambda x, parents: causal_conv1d_step(
+        x, jnp.zeros((2, W - 1, D)), w, query_start_loc=jnp.array([0, 3, 6]), state_indices=jnp.array([0, 1]),
+        parents=parents))
+    good = np.asarray(step(x, jnp.array([-1, 0, 1, -1, 0, 1]))[0])
+    bad = np.asarray(step(x, jnp.array([-1, 0, 4, -1, 0, 1]))[0])  # token 2 names token 4 (the other row's)
+    assert np.isnan(bad[2]).all()
+    np.testing.assert_array_equal(bad[[0, 1, 3, 4, 5]], good[[0, 1, 3, 4, 5]])

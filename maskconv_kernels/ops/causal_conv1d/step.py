@@ -241,14 +241,19 @@ def _tree_outputs(x, before, weight, bias, qsl, owner, read, parents, window: in
     zeros before them) gathered into a row of ``window + 1`` inputs, one ``causal_conv1d``
     over those rows, each row's last output. Padding tokens and pad rows give zeros."""
     tokens, requests = x.shape[0], before.shape[0]
-    held = requests * window  # the slots' inputs first, then the tokens, then one zero
-    zero = held + tokens
-    inputs = jnp.concatenate([before.reshape(held, x.shape[1]), x, jnp.zeros((1, x.shape[1]), x.dtype)])
+    held = requests * window  # the slots' inputs first, then the tokens, then one zero and one NaN
+    zero, nan = held + tokens, held + tokens + 1
+    d = x.shape[1]
+    inputs = jnp.concatenate([before.reshape(held, d), x, jnp.zeros((1, d), x.dtype), jnp.full((1, d), jnp.nan, x.dtype)])
     row = jnp.minimum(owner, requests - 1)
+    within = jnp.arange(tokens) - jnp.take(qsl, row)
     previous_of_token = jnp.where(parents >= 0, held + jnp.take(qsl, row) + parents, row * window + window - 1)
+    # An unchecked parent outside its row (traced, no checkify) reads NaN, so the bug shows,
+    # and never another request's token.
+    previous_of_token = jnp.where((parents >= -1) & (parents < within), previous_of_token, nan)
     entry = jnp.arange(held)
     previous_of_entry = jnp.where(entry % window > 0, entry - 1, zero)
-    previous = jnp.concatenate([previous_of_entry, previous_of_token, jnp.full((1,), zero)])
+    previous = jnp.concatenate([previous_of_entry, previous_of_token, jnp.array([zero, nan])])
     chain = [held + jnp.arange(tokens)]
     for _ in range(window):  # static: one gather of T indices per step back
         chain.append(jnp.take(previous, chain[-1]))
