@@ -153,7 +153,8 @@ def causal_conv1d_step(
     path = _check_acceptance(num_accepted_tokens, accepted_path, requests, state_len, window)
     starts = None if positions is None else _check_positions(positions, x.shape[0], blocks)
     owner = _owners(qsl, x.shape[0])  # (T,): each token's request, R for padding
-    tree = None if parents is None else _check_parents(parents, qsl, owner, blocks, starts)
+    within = jnp.arange(x.shape[0]) - jnp.take(qsl, owner)  # (T,): each token's index among its request's
+    tree = None if parents is None else _check_parents(parents, owner, within, requests, blocks, starts)
 
     rows = read_slots(pool, read)
     if path is not None:
@@ -167,11 +168,11 @@ def causal_conv1d_step(
     if tree is None:
         y = _outputs(x, before, weight, bias, qsl, owner, read, window, documents, **conv)
     else:
-        y = _tree_outputs(x, before, weight, bias, qsl, owner, read, tree, window, **conv)
+        y = _tree_outputs(x, before, weight, bias, owner, within, read, tree, window, **conv)
     counts = qsl[1:] - qsl[:-1]
     state = _state_after(rows, x, qsl, counts)
     if starts is not None:
-        state = _from_last_start(state, starts, qsl, owner)
+        state = _from_last_start(state, starts, qsl, owner, within)
     new_pool = write_slots(pool, write, state)
     if blocks is not None:
         new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
@@ -196,12 +197,10 @@ def _documents(starts, qsl, owner) -> jax.Array:
     return counted - jnp.take(before, jnp.minimum(owner, qsl.shape[0] - 2))
 
 
-def _from_last_start(state, starts, qsl, owner):
+def _from_last_start(state, starts, qsl, owner, within):
     """``state (R, state_len, D)`` (the last inputs of each request's slot ++ tokens) with zeros
     before the request's last document start among its tokens (none: unchanged)."""
     requests, state_len = state.shape[:2]
-    tokens = starts.shape[0]
-    within = jnp.arange(tokens) - jnp.take(qsl, jnp.minimum(owner, requests))  # index among the request's tokens
     last = jnp.full((requests,), -1, jnp.int32).at[owner].max(jnp.where(starts, within, -1), mode="drop")
     counts = qsl[1:] - qsl[:-1]
     # In the state's coordinates: entry j holds (slot ++ tokens)[counts + j]; the start is at state_len + last.
@@ -235,7 +234,7 @@ def _outputs(x, before, weight, bias, qsl, owner, read, window: int, documents=N
     return jnp.where((ids >= 0)[:, None], y, jnp.zeros((), y.dtype))
 
 
-def _tree_outputs(x, before, weight, bias, qsl, owner, read, parents, window: int, **conv):
+def _tree_outputs(x, before, weight, bias, owner, within, read, parents, window: int, **conv):
     """``y (T, D)`` for tokens whose predecessors are named by ``parents`` (a draft tree):
     each token's window (its ``window`` nearest ancestors, then the slot's last inputs,
     zeros before them) gathered into a row of ``window + 1`` inputs, one ``causal_conv1d``
@@ -246,8 +245,8 @@ def _tree_outputs(x, before, weight, bias, qsl, owner, read, parents, window: in
     d = x.shape[1]
     inputs = jnp.concatenate([before.reshape(held, d), x, jnp.zeros((1, d), x.dtype), jnp.full((1, d), jnp.nan, x.dtype)])
     row = jnp.minimum(owner, requests - 1)
-    within = jnp.arange(tokens) - jnp.take(qsl, row)
-    previous_of_token = jnp.where(parents >= 0, held + jnp.take(qsl, row) + parents, row * window + window - 1)
+    first = held + jnp.arange(tokens) - within  # each token's request's first token, in ``inputs``
+    previous_of_token = jnp.where(parents >= 0, first + parents, row * window + window - 1)
     # An unchecked parent outside its row (traced, no checkify) reads NaN, so the bug shows,
     # and never another request's token.
     previous_of_token = jnp.where((parents >= -1) & (parents < within), previous_of_token, nan)
@@ -372,7 +371,7 @@ def _check_acceptance(accepted, path, requests: int, state_len: int, window: int
     return path.astype(jnp.int32)
 
 
-def _check_parents(parents, qsl, owner, blocks, starts):
+def _check_parents(parents, owner, within, requests: int, blocks, starts):
     if blocks is not None or starts is not None:
         raise OP.value("parents (a tree of drafts) with block_size or positions: prefix caching and documents count "
                        "a request's tokens as a chain; pass one or the other")
@@ -380,8 +379,6 @@ def _check_parents(parents, qsl, owner, blocks, starts):
     if tuple(parents.shape) != tuple(owner.shape) or np.dtype(parents.dtype).kind != "i":
         raise OP.value(f"parents must be (T,) = {tuple(owner.shape)} signed integers (-1: the slot's inputs), got "
                        f"shape {tuple(parents.shape)} of {np.dtype(parents.dtype)}")
-    requests = qsl.shape[0] - 1
-    within = jnp.arange(owner.shape[0]) - jnp.take(qsl, jnp.minimum(owner, requests))
     OP.check((owner >= requests) | ((parents >= -1) & (parents < within)),
              "parents must name, for each token of a request, an earlier token of it (its index among the "
              "request's tokens) or -1 (the slot's inputs), got {parents}", parents=parents)
