@@ -1,5 +1,9 @@
 """What ``flax.linen.Conv`` and ``flax.nnx.Conv`` do around the convolution, shared by both modules.
 
+:class:`Layer` is a ``Conv`` module's fields, read from either module; its full pass
+and its decode steps (:mod:`._decode`) are written here once, so each module only says
+where its parameters and its cache live.
+
 Batch dims and padding modes are handled exactly as flax 0.12 handles them
 (``flax/linen/linear.py``, ``_Conv.__call__``), so that a module here is ``nn.Conv``
 with ``lax.conv_general_dilated(x, kernel * mask)`` replaced by
@@ -9,7 +13,8 @@ of real values, so masked taps are still never read.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +23,11 @@ from flax.linen.linear import canonicalize_padding
 
 from maskconv_kernels._core.args import as_segment_ids
 from maskconv_kernels._modules import concrete_mask, pad_with_copies, refuse_segment_ids_with_copies
+from maskconv_kernels.flax import _decode
 from maskconv_kernels.masks import Mask, as_mask
 from maskconv_kernels.ops.masked_conv import masked_conv
 
-__all__ = ["static_mask", "conv", "kernel_size_tuple"]
+__all__ = ["Layer", "static_mask", "conv", "kernel_size_tuple"]
 
 
 def kernel_size_tuple(kernel_size: int | Sequence[int]) -> tuple[int, ...]:
@@ -53,6 +59,73 @@ def static_mask(mask, kernel_size, features: int) -> Mask | None:
         f"mask has shape {shape} but kernel_size is {window}: pass a mask of shape {window} (one bit per "
         f"tap) or ({', '.join(map(str, window))}, C_in // feature_group_count, features) (the full kernel shape)"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """A masked ``Conv`` module's static fields: the linen and nnx modules' attributes of these names.
+
+    ``mask`` is the normalised :class:`Mask` (or ``None``: every tap active);
+    ``preferred_element_type`` is nnx's only (linen's is ``None``).
+    """
+
+    mask: Mask | None
+    strides: Any
+    padding: Any
+    input_dilation: Any
+    kernel_dilation: Any
+    feature_group_count: int
+    precision: Any
+    preferred_element_type: Any
+    implementation: str | None
+    decode_shift: int
+
+    @classmethod
+    def of(cls, module, **values) -> "Layer":
+        """The fields as ``module``'s attributes of the same names, but those given in ``values``."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in values]
+        return cls(**{name: getattr(module, name) for name in names}, **values)
+
+    def __call__(self, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None, segment_ids=None) -> jax.Array:
+        """The full pass: :func:`conv` with these fields."""
+        return conv(
+            inputs,
+            kernel,
+            self.mask,
+            strides=self.strides,
+            padding=self.padding,
+            input_dilation=self.input_dilation,
+            kernel_dilation=self.kernel_dilation,
+            feature_group_count=self.feature_group_count,
+            precision=self.precision,
+            preferred_element_type=self.preferred_element_type,
+            implementation=self.implementation,
+            bias=bias,
+            segment_ids=segment_ids,
+        )
+
+    def new_cache(self, input_shape, kernel_shape, dtype) -> dict[str, jax.Array]:
+        """The decode cache's arrays by variable name (:data:`._decode.CACHE_FIELDS`) for
+        full-size inputs ``(N, *spatial, C_in)``, checked for decoding first."""
+        return _decode.new_cache(self.mask, kernel_shape, tuple(input_shape), dtype, **self._decode_fields())
+
+    def decode_step(
+        self, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None, segment_ids, cache: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """One position in decode mode: ``(output, new cache)`` (:func:`._decode.step`)."""
+        if segment_ids is not None:
+            raise ValueError("segment_ids is for full inputs: a decode step continues one sequence per example")
+        if self.preferred_element_type is not None:
+            raise NotImplementedError(
+                "decode=True gives outputs in the cache's dtype; preferred_element_type is not supported there"
+            )
+        return _decode.step(inputs, kernel, bias, cache, self.mask, precision=self.precision, **self._decode_fields())
+
+    def _decode_fields(self) -> dict:
+        return dict(
+            shift=self.decode_shift, strides=self.strides, padding=self.padding, input_dilation=self.input_dilation,
+            kernel_dilation=self.kernel_dilation, feature_group_count=self.feature_group_count,
+        )
 
 
 def conv(

@@ -21,13 +21,17 @@ autoregressive model needs, whose output at ``p`` must not wait for the sample a
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from maskconv_kernels.ops.masked_conv import decode
 from maskconv_kernels.masks import Mask
 
-__all__ = ["decode_spec", "init_spec", "cache_shape", "unit_of", "step"]
+__all__ = ["CACHE_FIELDS", "new_cache", "step"]
+
+# The cache's Flax variables (linen's "cache" collection, nnx's Cache attributes), by name.
+CACHE_FIELDS = ("cached_input", "cache_index")
 
 
 def decode_spec(
@@ -125,23 +129,38 @@ def unit_of(inputs_shape, cached_shape) -> str:
     return "row" if ndim == 2 and inputs_shape[2] == cached_shape[2] and cached_shape[2] > 1 else "pixel"
 
 
+def new_cache(mask: Mask | None, kernel_shape, input_shape, dtype, **fields) -> dict[str, jax.Array]:
+    """The cache for full-size inputs of ``input_shape`` ``(N, *spatial, C_in)``, by variable name.
+
+    ``cached_input``: zeros ``(N, *spec.cache_spatial, C_in)`` of ``dtype``;
+    ``cache_index``: int32 ``0``. ``fields``: :func:`decode_spec`'s module fields.
+    """
+    spec = init_spec(mask, kernel_shape, tuple(input_shape[1:-1]), **fields)
+    return {"cached_input": jnp.zeros(cache_shape(input_shape, spec), dtype), "cache_index": jnp.array(0, jnp.int32)}
+
+
 def step(
     inputs: jax.Array,
     kernel: jax.Array,
     bias: jax.Array | None,
-    cached: jax.Array,
-    index: jax.Array,
-    spec: decode.DecodeSpec,
+    cache: dict[str, jax.Array],
+    mask: Mask | None,
     *,
     precision,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One position: ``(output shaped like inputs but C_out, new cache, new index)``.
+    **fields,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One call in decode mode: ``(output shaped like inputs but C_out, the new cache)``.
 
     Args:
-      inputs: ``(N, 1, C_in)``, ``(N, 1, 1, C_in)`` or ``(N, 1, W, C_in)``.
-      cached: ``(N, *spec.cache_spatial, C_in)``.
-      index: int32 scalar, positions consumed so far in raster order.
+      inputs: ``(N, 1, C_in)``, ``(N, 1, 1, C_in)`` or ``(N, 1, W, C_in)``; its shape
+        says whether this is a pixel or a row step (:func:`unit_of`).
+      cache: :func:`new_cache`'s arrays, by variable name.
+      fields: :func:`decode_spec`'s module fields.
     """
+    cached, index = cache["cached_input"], cache["cache_index"]
+    unit = unit_of(inputs.shape, cached.shape)
+    spatial = (None, cached.shape[2]) if cached.ndim == 4 else (None,)
+    spec = decode_spec(mask, kernel.shape, spatial, unit=unit, **fields)
     n, c_in = inputs.shape[0], inputs.shape[-1]
     if spec.unit == "row":
         width = spec.spatial[1]
@@ -151,4 +170,4 @@ def step(
         x = inputs.reshape(n, c_in)
         position, advance = index, 1
     y, cached = decode.step(spec, cached, x.astype(cached.dtype), kernel, position, bias=bias, precision=precision)
-    return y.reshape(*inputs.shape[:-1], y.shape[-1]), cached, index + advance
+    return y.reshape(*inputs.shape[:-1], y.shape[-1]), {"cached_input": cached, "cache_index": index + advance}

@@ -20,9 +20,12 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from maskconv_kernels.ops.causal_conv1d import causal_conv1d
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 
-__all__ = ["torch_conv1d_uniform", "weight_init", "bias_init_for", "state_shape", "full_pass", "from_conv_params"]
+__all__ = [
+    "torch_conv1d_uniform", "weight_init", "bias_init_for", "state_shape", "full_pass", "decode_step",
+    "refuse_state_arguments", "from_conv_params",
+]
 
 
 def torch_conv1d_uniform(width: int):
@@ -64,6 +67,33 @@ def full_pass(module, x, weight, bias, segment_ids=None, positions=None) -> jax.
     if module.context_parallel is None:
         return causal_conv1d(x, weight, bias, **kw)
     return module.context_parallel.causal_conv1d(x, weight, bias, **kw)
+
+
+def decode_step(
+    module, x, state, weight, bias, segment_ids=None, positions=None, *, state_indices=None, has_initial_state=None,
+) -> tuple[jax.Array, jax.Array]:
+    """A ``ShortConv``'s decode step: ``(y, new state)`` from :func:`causal_conv1d_update` with
+    the module's ``activation``, ``dilation`` and ``implementation``.
+
+    ``x``: ``(N, T, D)`` (or ``(B, T, D)`` with ``state_indices``); ``state``: ``(N,
+    (W - 1) * dilation, D)``; ``y`` is shaped like ``x``. ``segment_ids`` are refused: a
+    step continues each row's sequence (``positions`` start documents inside a chunk).
+    """
+    if segment_ids is not None:
+        raise ValueError("segment_ids is for full sequences: a decode step continues one sequence per row")
+    return causal_conv1d_update(
+        x, state, weight, bias, activation=module.activation, dilation=module.dilation, state_indices=state_indices,
+        has_initial_state=has_initial_state, implementation=module.implementation, positions=positions,
+    )
+
+
+def refuse_state_arguments(state_indices, has_initial_state, allocation: str) -> None:
+    """Raises ``ValueError`` for decode-only arguments in a full pass; ``allocation`` names how the module allocates its state."""
+    if state_indices is not None or has_initial_state is not None:
+        raise ValueError(
+            f"state_indices and has_initial_state are for decode steps (decode=True, after {allocation}); a full "
+            "forward pass starts every row from zeros"
+        )
 
 
 def from_conv_params(params: Mapping) -> dict:

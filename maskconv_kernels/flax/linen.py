@@ -31,7 +31,6 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.flax._short_conv import from_conv_params
-from maskconv_kernels.ops.causal_conv1d import causal_conv1d_update
 from maskconv_kernels.parallel.context import ContextParallel
 
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv", "from_conv_params"]
@@ -151,54 +150,18 @@ class Conv(nn.Module):
         kernel = self.param("kernel", self.kernel_init, kernel_shape, self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        layer = _conv.Layer.of(self, preferred_element_type=None)
         if self.decode and self.has_variable("cache", "cached_input"):
-            if segment_ids is not None:
-                raise ValueError("segment_ids is for full inputs: a decode step continues one sequence per example")
-            return self._decode_step(inputs, kernel, bias)
+            cache = {name: self.variable("cache", name) for name in _decode.CACHE_FIELDS}
+            y, values = layer.decode_step(inputs, kernel, bias, segment_ids, {n: v.value for n, v in cache.items()})
+            for name, value in values.items():
+                cache[name].value = value
+            return y
         if self.decode:
-            self._allocate_cache(inputs, kernel.shape)
-        return _conv.conv(
-            inputs,
-            kernel,
-            self.mask,
-            strides=self.strides,
-            padding=self.padding,
-            input_dilation=self.input_dilation,
-            kernel_dilation=self.kernel_dilation,
-            feature_group_count=self.feature_group_count,
-            precision=self.precision,
-            implementation=self.implementation,
-            bias=bias,
-            segment_ids=segment_ids,
-        )
-
-    # ------------------------------------------------------------------ decode=True
-
-    def _decode_fields(self) -> dict:
-        return dict(
-            shift=self.decode_shift, strides=self.strides, padding=self.padding,
-            input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation,
-            feature_group_count=self.feature_group_count,
-        )
-
-    def _allocate_cache(self, inputs: jax.Array, kernel_shape) -> None:
-        """At ``init``: the ``"cache"`` collection for a full-size ``(N, *spatial, C_in)`` input."""
-        spec = _decode.init_spec(self.mask, kernel_shape, inputs.shape[1:-1], **self._decode_fields())
-        self.variable("cache", "cached_input", jnp.zeros, _decode.cache_shape(inputs.shape, spec), inputs.dtype)
-        self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
-
-    def _decode_step(self, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
-        """One position (see ``decode``): updates the cache, returns the output there."""
-        cached = self.variable("cache", "cached_input")
-        index = self.variable("cache", "cache_index")
-        unit = _decode.unit_of(inputs.shape, cached.value.shape)
-        spatial = (None, cached.value.shape[2]) if cached.value.ndim == 4 else (None,)
-        spec = _decode.decode_spec(self.mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
-        y, cached.value, index.value = _decode.step(
-            inputs, kernel, bias, cached.value, index.value, spec,
-            precision=self.precision,
-        )
-        return y
+            # At init: the "cache" collection for this full-size (N, *spatial, C_in) input.
+            for name, value in layer.new_cache(inputs.shape, kernel.shape, inputs.dtype).items():
+                self.variable("cache", name, lambda value=value: value)
+        return layer(inputs, kernel, bias, segment_ids)
 
 
 # The same class: linen names auto-named submodules after the class (Conv_0), as nn.Conv's.
@@ -272,7 +235,7 @@ class ShortConv(nn.Module):
           x: ``(N, L, D)``; when decoding, ``(N, T, D)`` (or ``(B, T, D)`` with ``state_indices``).
           segment_ids: ``(N, L)`` packed documents (negative: padding), as in
             :func:`causal_conv1d`; not when decoding.
-          state_indices, has_initial_state: decoding only, as in :func:`causal_conv1d_update`:
+          state_indices, has_initial_state: decoding only, as in :func:`~maskconv_kernels.causal_conv1d_update`:
             each row's slot of the state (``-1``: a row without a request), and where a
             row starts a new sequence.
           positions: ``(N, L)`` (decoding: ``(N, T)``) each token's position in its
@@ -291,22 +254,14 @@ class ShortConv(nn.Module):
             bias = self.param("bias", bias_init, (d,), self.param_dtype)
         if self.dtype is not None:
             x = jnp.asarray(x, self.dtype)
-        decoding = self.decode and self.has_variable("cache", "conv_state")
-        if not decoding and (state_indices is not None or has_initial_state is not None):
-            raise ValueError(
-                "state_indices and has_initial_state are for decode steps (decode=True, after init allocated the "
-                "cache); a full forward pass starts every row from zeros"
-            )
-        if decoding:
-            if segment_ids is not None:
-                raise ValueError("segment_ids is for full sequences: a decode step continues one sequence per row")
+        if self.decode and self.has_variable("cache", "conv_state"):
             state = self.variable("cache", "conv_state")
-            y, state.value = causal_conv1d_update(
-                x, state.value, weight, bias, activation=self.activation, dilation=self.dilation,
-                state_indices=state_indices, has_initial_state=has_initial_state, implementation=self.implementation,
-                positions=positions,
+            y, state.value = _short_conv.decode_step(
+                self, x, state.value, weight, bias, segment_ids, positions, state_indices=state_indices,
+                has_initial_state=has_initial_state,
             )
             return y
+        _short_conv.refuse_state_arguments(state_indices, has_initial_state, "init allocated the cache")
         if self.decode:
             shape = _short_conv.state_shape(jnp.shape(x), self.kernel_size, self.dilation, d)
             self.variable("cache", "conv_state", jnp.zeros, shape, x.dtype)

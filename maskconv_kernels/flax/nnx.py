@@ -24,7 +24,6 @@ from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
 from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
-from maskconv_kernels.ops.causal_conv1d import causal_conv1d_update
 from maskconv_kernels.parallel.context import ContextParallel
 
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv"]
@@ -143,41 +142,17 @@ class Conv(nnx.Module):
         self.cached_input: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
 
-    def _decode_fields(self) -> dict:
-        return dict(
-            shift=self.decode_shift, strides=self.strides, padding=self.padding,
-            input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation,
-            feature_group_count=self.feature_group_count,
-        )
-
     def init_cache(self, input_shape: tp.Sequence[int], dtype=jnp.float32) -> None:
         """Allocates the decode cache for full-size inputs of ``input_shape`` ``(N, *spatial, in_features)``.
 
         Call it before decoding, as ``nnx.MultiHeadAttention.init_cache``; calling it again
         starts a new sequence.
         """
-        spec = _decode.init_spec(self.static_mask, self.kernel_shape, tuple(input_shape[1:-1]), **self._decode_fields())
-        self.cached_input = nnx.Cache(jnp.zeros(_decode.cache_shape(tuple(input_shape), spec), dtype))
-        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+        for name, value in self._layer().new_cache(input_shape, self.kernel_shape, dtype).items():
+            setattr(self, name, nnx.Cache(value))
 
-    def _decode_step(self, inputs: jax.Array, kernel: jax.Array, bias: jax.Array | None) -> jax.Array:
-        if self.cached_input is None or self.cache_index is None:
-            raise ValueError("decode cache not initialized: call init_cache(input_shape) first")
-        if self.preferred_element_type is not None:
-            raise NotImplementedError(
-                "decode=True gives outputs in the cache's dtype; preferred_element_type is not supported there"
-            )
-        cached = self.cached_input[...]
-        unit = _decode.unit_of(inputs.shape, cached.shape)
-        spatial = (None, cached.shape[2]) if cached.ndim == 4 else (None,)
-        spec = _decode.decode_spec(self.static_mask, kernel.shape, spatial, unit=unit, **self._decode_fields())
-        y, cached, index = _decode.step(
-            inputs, kernel, bias, cached, self.cache_index[...], spec,
-            precision=self.precision,
-        )
-        self.cached_input[...] = cached
-        self.cache_index[...] = index
-        return y
+    def _layer(self) -> _conv.Layer:
+        return _conv.Layer.of(self, mask=self.static_mask)
 
     def __call__(
         self, inputs: jax.Array, segment_ids: jax.Array | None = None, *, out_sharding=None,
@@ -217,25 +192,15 @@ class Conv(nnx.Module):
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        if self.decode if decode is None else decode:
-            if segment_ids is not None:
-                raise ValueError("segment_ids is for full inputs: a decode step continues one sequence per example")
-            return self._decode_step(inputs, kernel, bias)
-        return _conv.conv(
-            inputs,
-            kernel,
-            self.static_mask,
-            strides=self.strides,
-            padding=self.padding,
-            input_dilation=self.input_dilation,
-            kernel_dilation=self.kernel_dilation,
-            feature_group_count=self.feature_group_count,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-            implementation=self.implementation,
-            bias=bias,
-            segment_ids=segment_ids,
-        )
+        if not (self.decode if decode is None else decode):
+            return self._layer()(inputs, kernel, bias, segment_ids)
+        if self.cached_input is None or self.cache_index is None:
+            raise ValueError("decode cache not initialized: call init_cache(input_shape) first")
+        cache = {name: getattr(self, name) for name in _decode.CACHE_FIELDS}
+        y, values = self._layer().decode_step(inputs, kernel, bias, segment_ids, {n: v[...] for n, v in cache.items()})
+        for name, value in values.items():
+            cache[name][...] = value
+        return y
 
 
 # The same class, as in maskconv_kernels.flax.linen.
@@ -372,7 +337,7 @@ class ShortConv(nnx.Module):
             features)`` with ``state_indices``).
           segment_ids: ``(N, L)`` packed documents, as in :func:`causal_conv1d`; not when decoding.
           decode: overrides the module's ``decode`` for this call.
-          state_indices, has_initial_state: decoding only, as in :func:`causal_conv1d_update`.
+          state_indices, has_initial_state: decoding only, as in :func:`~maskconv_kernels.causal_conv1d_update`.
           positions: ``(N, L)`` (decoding: ``(N, T)``) each token's position in its
             document, as in the linen module: packing by positions, also when decoding.
         """
@@ -385,23 +350,16 @@ class ShortConv(nnx.Module):
         bias = self.bias[...] if self.bias is not None else None
         if self.dtype is not None:
             x = jnp.asarray(x, self.dtype)
-        if self.decode if decode is None else decode:
-            if self.conv_state is None:
-                raise ValueError("decode state not initialized: call init_cache(input_shape) first")
-            if segment_ids is not None:
-                raise ValueError("segment_ids is for full sequences: a decode step continues one sequence per row")
-            y, self.conv_state[...] = causal_conv1d_update(
-                x, self.conv_state[...], weight, bias, activation=self.activation, dilation=self.dilation,
-                state_indices=state_indices, has_initial_state=has_initial_state, implementation=self.implementation,
-                positions=positions,
-            )
-            return y
-        if state_indices is not None or has_initial_state is not None:
-            raise ValueError(
-                "state_indices and has_initial_state are for decode steps (decode=True, after init_cache); a full "
-                "forward pass starts every row from zeros"
-            )
-        return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions)
+        if not (self.decode if decode is None else decode):
+            _short_conv.refuse_state_arguments(state_indices, has_initial_state, "init_cache")
+            return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions)
+        if self.conv_state is None:
+            raise ValueError("decode state not initialized: call init_cache(input_shape) first")
+        y, self.conv_state[...] = _short_conv.decode_step(
+            self, x, self.conv_state[...], weight, bias, segment_ids, positions, state_indices=state_indices,
+            has_initial_state=has_initial_state,
+        )
+        return y
 
 
 class CausalConv(nnx.Module):

@@ -8,6 +8,8 @@ forward pass. Tolerances come from the dtype and the reduction length
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -467,3 +469,32 @@ def test_errors_say_what_is_unsupported():
         decode.step(spec, jnp.zeros((1, 3, 8, 2)), jnp.zeros((1, 2)), jnp.zeros((3, 3, 2, 4)), 0)
     with pytest.raises(ValueError, match="expected \\(3, 3, 2, C_out\\)"):
         decode.step(spec, decode.init_cache(spec, 1, 2), jnp.zeros((1, 2)), jnp.zeros((5, 5, 2, 4)), 0)
+
+
+BAD_CONV_ARGUMENTS = {
+    "strides0": {"strides": 0},
+    "strides_rank": {"strides": (1,)},
+    "dilation_str": {"dilation": "2"},
+    "groups0": {"feature_group_count": 0},
+    "padding_name": {"padding": "FULL"},
+    "padding_rank": {"padding": ((1, 1),)},
+    "padding_causal_2d": {"padding": "CAUSAL"},
+    "padding_crops": {"padding": ((-9, 0), (1, 1))},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CONV_ARGUMENTS))
+def test_conv_arguments_are_refused_in_masked_convs_words(name):
+    """One validator: decoding checks the convolution's arguments through masked_conv's ConvSpec."""
+    kw, mask = BAD_CONV_ARGUMENTS[name], mk.pixelcnn_mask((3, 3), "B")
+    with pytest.raises((TypeError, ValueError)) as decoding:
+        decode.make_decode_spec(mask, (8, 8), **kw)
+    with pytest.raises(decoding.type, match=re.escape(str(decoding.value))):
+        full(jnp.ones((1, 8, 8, 2)), jnp.ones((3, 3, 2, 2)), mask, **kw)
+
+
+def test_a_mask_of_neither_the_window_nor_the_kernel_rank_is_refused():
+    with pytest.raises(ValueError, match=r"mask has shape \(3,\) but the spatial shape \(8, 8\) has 2 dims"):
+        decode.make_decode_spec(np.ones(3, bool), (8, 8))
+    with pytest.raises(ValueError, match=r"mask has shape \(3, 3, 2\) .* 2 dims \(the window, one bit per tap\) or 4"):
+        decode.make_decode_spec(np.ones((3, 3, 2), bool), (8, 8))

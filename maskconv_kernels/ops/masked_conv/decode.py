@@ -54,9 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..._core.args import ints, is_int, padding_pairs
+from ..._core.args import is_int
 from ..._core.history import Ring
-from ...masks import Mask, as_mask
+from ...masks import Mask
+from .spec import ConvSpec, make_spec
 
 __all__ = ["DecodeSpec", "make_decode_spec", "init_cache", "update", "output", "step"]
 
@@ -144,6 +145,12 @@ def make_decode_spec(
 ) -> DecodeSpec:
     """Validates one layer's arguments (those of ``masked_conv``) for decoding.
 
+    The convolution's arguments are checked by ``masked_conv``'s own validator
+    (:func:`~maskconv_kernels.ops.masked_conv.spec.make_spec`, through
+    :func:`_conv_spec`), so a bad one reads the same here as there; this function adds
+    only what decoding needs: the step (``unit``, ``shift``, ``channel_groups``) and
+    what a step cannot compute (strides, a resized output, taps that read ahead).
+
     Args:
       mask: static, shape ``window`` or the full kernel shape; as for ``masked_conv``.
       spatial: the input's spatial shape, ``(L,)`` or ``(H, W)``; the first entry may be
@@ -163,7 +170,8 @@ def make_decode_spec(
       NotImplementedError: strides other than 1, 3-D layers, channel-partial (R/G/B) masks
         without ``channel_groups``.
       ValueError: the output grid is not the input's, or an active tap reads a position
-        that is not yet given when its output is due.
+        that is not yet given when its output is due; and whatever ``masked_conv`` raises
+        for the convolution's arguments, in its words.
     """
     spatial = tuple(None if s is None and d == 0 else int(s) for d, s in enumerate(spatial))
     ndim = len(spatial)
@@ -173,31 +181,20 @@ def make_decode_spec(
         raise ValueError(f"unit must be 'pixel' (1-D or 2-D) or 'row' (2-D), got {unit!r} for {ndim}-D")
     if not is_int(shift) or shift < 0:
         raise ValueError(f"shift must be a non-negative int, got {shift!r}")
-    strides = ints("strides", strides, ndim)
-    if any(s != 1 for s in strides):
+    conv = _conv_spec(mask, spatial, padding, dilation, strides, feature_group_count)
+    if any(s != 1 for s in conv.strides):
         raise NotImplementedError(
-            f"decoding steps one position at a time, so it needs strides=1; got strides={strides}. "
+            f"decoding steps one position at a time, so it needs strides=1; got strides={conv.strides}. "
             "A strided layer's outputs are not on the input's grid: run it with masked_conv instead"
         )
-    dilation = ints("dilation", dilation, ndim)
-    if not is_int(feature_group_count) or feature_group_count < 1:
-        raise ValueError(f"feature_group_count must be a positive int, got {feature_group_count!r}")
-    if isinstance(mask, Mask):
-        window = mask.window
-    else:
-        window = tuple(np.shape(mask)[:ndim])
-    if len(window) != ndim:
-        raise ValueError(f"mask has {len(window)} window dims but the spatial shape {spatial} has {ndim}")
-    shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
-    mask = as_mask(mask, shape if len(shape) == ndim + 2 else (*window, 1, 1))
+    mask, pads, dilation = conv.mask, conv.padding, conv.dilation
     if mask.partial_taps and channel_groups is None:
         raise NotImplementedError(
             f"mask has channel-partial taps {list(mask.partial_taps)} (an R/G/B channel-grouped mask): "
             "decoding it needs one step per channel group (sub-pixel steps): pass channel_groups=G "
             "(e.g. 3 for R, G, B)"
         )
-    pads = padding_pairs(padding, window, dilation=dilation)
-    for d, ((lo, hi), k, dil) in enumerate(zip(pads, window, dilation)):
+    for d, ((lo, hi), k, dil) in enumerate(zip(pads, mask.window, dilation)):
         if lo + hi != dil * (k - 1):
             raise ValueError(
                 f"decoding needs each output on its input's position, but padding {pads[d]} in spatial dim {d} "
@@ -209,7 +206,7 @@ def make_decode_spec(
         raise ValueError("mask has no active tap: the layer's output is its bias alone, there is nothing to decode")
     offsets = tuple(tuple(t * dil - lo for t, dil, (lo, _) in zip(tap, dilation, pads)) for tap in taps)
     if channel_groups is not None and channel_groups != 1:
-        entries = _group_entries(mask, taps, offsets, channel_groups, unit, feature_group_count, spatial[-1], shift)
+        entries = _group_entries(mask, taps, offsets, channel_groups, unit, conv.groups, spatial[-1], shift)
         return DecodeSpec(mask, spatial, offsets, taps, pads, dilation, 1, unit, int(shift), channel_groups, entries)
     future = [t for t, o in zip(taps, offsets) if _reads_future(o, unit, spatial[-1], shift)]
     if future:
@@ -221,7 +218,33 @@ def make_decode_spec(
             f"(unit={unit!r}, shift={shift}): a step could not compute the output from the inputs given so far."
             + hint
         )
-    return DecodeSpec(mask, spatial, offsets, taps, pads, dilation, int(feature_group_count), unit, int(shift))
+    return DecodeSpec(mask, spatial, offsets, taps, pads, dilation, conv.groups, unit, int(shift))
+
+
+def _conv_spec(mask, spatial: tuple, padding, dilation, strides, feature_group_count) -> ConvSpec:
+    """The layer as ``masked_conv`` checks it: the :class:`ConvSpec` of one example of ``spatial``.
+
+    Decoding is given no kernel, so its shape is read from the mask: a full mask is the
+    kernel's shape ``(*window, C_in // groups, C_out)``; a window-shaped one gets one input
+    and one output channel per group (the channel counts are the cache's and the kernel's
+    business, checked when a step runs). An unknown first size (``None``) is taken as 1:
+    the size-keeping paddings decoding accepts do not depend on it.
+    """
+    ndim = len(spatial)
+    shape = tuple(mask.bits.shape if isinstance(mask, Mask) else np.shape(mask))
+    if len(shape) not in (ndim, ndim + 2):
+        raise ValueError(
+            f"mask has shape {shape} but the spatial shape {spatial} has {ndim} dims: pass a mask of {ndim} dims "
+            f"(the window, one bit per tap) or {ndim + 2} (the full kernel shape, (*window, C_in // groups, C_out))"
+        )
+    # An invalid feature_group_count is make_spec's to refuse, in its words; the shapes only need an int.
+    groups = feature_group_count if is_int(feature_group_count) and feature_group_count >= 1 else 1
+    kernel = shape if len(shape) == ndim + 2 else (*shape, 1, groups)
+    x = (1, *(1 if s is None else s for s in spatial), kernel[-2] * groups)
+    return make_spec(
+        jax.ShapeDtypeStruct(x, jnp.float32), jax.ShapeDtypeStruct(kernel, jnp.float32), mask,
+        strides=strides, padding=padding, dilation=dilation, feature_group_count=feature_group_count,
+    )
 
 
 def _group_entries(mask: Mask, taps, offsets, g: int, unit: str, groups, width, shift: int) -> tuple:
