@@ -18,7 +18,7 @@ from hypothesis import settings
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     jax.config.update("jax_num_cpu_devices", 8)
 from support.causal import IMPLS, impl_params
-from support.implementations import BACKENDS, Named, backend_params
+from support.implementations import BACKENDS, backend_params
 
 # Hypothesis: a few examples per backend in the README's test command, more in the slow
 # tier (.ci/run sets HYPOTHESIS_PROFILE=ci). Derandomized: a failure reproduces.
@@ -29,7 +29,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 @pytest.fixture(params=backend_params())
 def conv(request):
-    return Named(request.param, BACKENDS[request.param])
+    return BACKENDS[request.param]
 
 
 @pytest.fixture(params=impl_params())

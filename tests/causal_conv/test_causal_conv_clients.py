@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from support.causal import IMPLS, bits
+from support.causal import IMPLS, bits, impl_params
 from support.numerics import TOLERANCE, random
 
 F32 = np.dtype(np.float32)
@@ -179,14 +179,6 @@ def _assert_stream_equals_full(impl, client, streamed, full):
     assert err <= bound, (err, bound)
 
 
-def _impl_params():
-    out = []
-    for name, impl in sorted(IMPLS.items()):
-        marks = [pytest.mark.slow, pytest.mark.interpreted] if impl.slow else []
-        out.append(pytest.param(name, marks=marks))
-    return out
-
-
 def _runs() -> list:
     """(client, schedule): the video block's 1+4+4 in the default run, the rest in the slow tier."""
     return [
@@ -196,7 +188,7 @@ def _runs() -> list:
     ]
 
 
-@pytest.mark.parametrize("impl_name", _impl_params())
+@pytest.mark.parametrize("impl_name", impl_params())
 @pytest.mark.parametrize("client_name, schedule", _runs())
 def test_streamed_in_chunks_equals_the_full_pass(client_name, schedule, impl_name):
     impl, client = IMPLS[impl_name], CLIENTS[client_name]()

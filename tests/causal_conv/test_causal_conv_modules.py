@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from support.causal import bits, scale
-from support.implementations import PLATFORM
+from support.harness import PLATFORM
 from support.numerics import assert_close, random
 
 from maskconv_kernels.flax import CausalConv

@@ -81,7 +81,7 @@ def test_transposed_chunks_of_any_length_equal_the_full_pass(causal, case):
     if causal.slow and not case.small:
         pytest.skip("large for an interpreter: the xla implementation runs it")
     x, k, b = case.inputs(21, causal.dtype)
-    causal.skip_unsupported(x, k, transposed=True, **case.kw)
+    causal.transposed().skip_unsupported(x, k, **case.kw)
     frames = case.x_shape[1]
     runs = {"1+1+1": [1] * frames, "2+rest": [2, frames - 2], "whole": [frames]}
     if causal.slow:

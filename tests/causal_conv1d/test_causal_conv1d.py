@@ -1,206 +1,131 @@
-"""``causal_conv1d``: causal-conv1d's semantics, against float64 oracles written from its math.
+"""``causal_conv1d``'s shared suite: every implementation against float64 oracles written from
+causal-conv1d's math, through one harness (:mod:`support.short_conv`).
 
-The forward against :func:`causal_conv1d_reference` (NumPy, float64); the gradients
-(x, weight, bias, initial state) against jax's autodiff of a float64 shift-and-add
-written here from the formula, with no library code. Packed documents: each one's
-outputs equal the document run on its own, bit for bit.
+Each implementation of its registry that runs here (``xla``; ``pallas_triton`` and
+``pallas_mosaic_gpu`` compiled on a GPU, interpreted elsewhere, with tiles small enough
+that test sizes take several): the forward against :func:`causal_conv1d_reference`
+(NumPy, float64); the gradients (x, weight, bias, initial state) against jax's autodiff
+of a float64 shift-and-add written from the formula, with no library code; packed
+documents, each one's outputs equal to the document run on its own, bit for bit; NaN
+isolation across documents; determinism, vmap, empty sequences, and the kernels'
+derivatives above the first (the op's primitives). Then the op's own checks: errors, the
+cuda lowering and the per-platform choice, the causality audit. Each backend's module
+holds what is its alone (its config, its lowering, its compile for sm_90).
 """
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import export
+from support import harness
 from support.lowering import cuda_lowering
-from support.tiers import tiered
 from support.numerics import assert_close, random
+from support.short_conv import (
+    BF16, F32, GRID, IMPLS, check_against_oracles, check_derivatives_of_every_order, check_nan_isolation,
+    check_packed_equals_alone, grid_id, ids, inputs,
+)
 
 import maskconv_kernels as mk
-from maskconv_kernels.ops.causal_conv1d import backends
-from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_reference
+from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 
 # XLA's Triton custom call, where Pallas' Triton lowering puts a kernel.
 TRITON_CALL = "__gpu$xla.gpu.triton"
-
-BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
-
-
-def _ids(seed, batch, length):
-    """Documents of random lengths in each row, trailing padding in some."""
-    rng = np.random.default_rng(seed)
-    ids = np.full((batch, length), -1, np.int32)
-    for row in ids:
-        end = length - int(rng.integers(0, 4))
-        cuts = np.sort(rng.choice(np.arange(1, max(end, 2)), min(2, max(end - 1, 0)), replace=False))
-        row[:end] = 10 + np.searchsorted(cuts, np.arange(end), side="right")
-    return ids
+# The README's command: Mamba's mixed dtypes (16-bit activations, float32 weights, segments
+# and a state) and a dilated float16 case, on every implementation; the slow tier the rest.
+FAST = [GRID[-2], GRID[-1]]
+KERNEL_BACKENDS = {n: i for n, i in IMPLS.items() if i.implementation != "xla"}
 
 
-def _inputs(seed, batch, length, dim, width, x_dtype, w_dtype, dilation=1):
-    x = random(seed, (batch, length, dim), x_dtype)
-    w = random(seed + 1, (width, dim), w_dtype, scale=0.5)
-    b = random(seed + 2, (dim,), w_dtype, scale=0.5)
-    state = random(seed + 3, (batch, (width - 1) * dilation, dim), x_dtype)
-    return x, w, b, state
-
-
-def _oracle(x, w, b, ids, state, activation, dilation):
-    """float64 jnp: ``y[l] = act(b + sum_t w[t] * xe[l + S - (W-1-t) d])`` with document selects."""
-    batch, length, dim = x.shape
-    width = w.shape[0]
-    s = (width - 1) * dilation
-    xe = jnp.concatenate([state, x], axis=1)
-    first = ids[:, :1] if state is not None else jnp.full((batch, 1), -(2**30))
-    ide = jnp.concatenate([jnp.broadcast_to(first, (batch, s)), ids], axis=1)
-    y = jnp.zeros((batch, length, dim), x.dtype)
-    for t in range(width):
-        back = (width - 1 - t) * dilation
-        same = ((ide[:, s - back : s - back + length] == ids) & (ids >= 0))[..., None]
-        y = y + jnp.where(same, xe[:, s - back : s - back + length] * w[t], 0.0)
-    if b is not None:
-        y = y + b
-    if activation:
-        y = y * jax.nn.sigmoid(y)
-    return jnp.where((ids >= 0)[..., None], y, 0.0)
-
-
-GRID = [
-    # width, dim, length, dilation, bias, activation, x dtype, weight dtype, segments, initial state
-    *itertools.product((2, 3, 4), (5,), (1, 13), (1,), (True,), ("silu",), (F32,), (F32,), (False, True), (False, True)),
-    (4, 64, 129, 1, False, None, F32, F32, True, False),
-    (4, 40, 151, 2, True, "silu", F32, F32, True, True),
-    (8, 24, 67, 1, True, None, F32, F32, False, True),
-    (4, 48, 33, 1, True, "silu", BF16, BF16, True, False),
-    (4, 48, 33, 1, True, "silu", F16, F16, False, True),
-    (4, 48, 33, 1, True, "silu", BF16, F32, True, True),  # Mamba's default: 16-bit activations, float32 weights
-    (3, 16, 9, 3, False, "silu", F16, F32, True, False),
-]
-
-
-def _grid_id(case):
-    w, d, l, dil, bias, act, xd, wd, seg, st = case
-    return f"W{w}_D{d}_L{l}_d{dil}{'_bias' if bias else ''}{'_silu' if act else ''}_{xd}-{wd}{'_seg' if seg else ''}{'_state' if st else ''}"
-
-
-@pytest.mark.parametrize("case", GRID, ids=_grid_id)
-def test_forward_and_final_state_match_the_reference(case):
+@pytest.mark.parametrize("name, case", harness.cases(IMPLS, GRID, lambda impl, case: case in FAST, grid_id))
+def test_matches_the_oracles(name, case):
+    """Forward, final state and every gradient of one case, against the float64 oracles."""
     width, dim, length, dilation, bias, activation, x_dtype, w_dtype, segmented, stateful = case
-    x, w, b, state = _inputs(0, 2, length, dim, width, x_dtype, w_dtype, dilation)
-    kw = dict(
-        segment_ids=_ids(1, 2, length) if segmented else None, initial_state=state if stateful else None,
-        activation=activation, dilation=dilation, return_final_state=True,
-    )
-    y, final = jax.jit(lambda x, w, b: causal_conv1d(x, w, b if bias else None, **kw))(x, w, b)
-    ry, rfinal = causal_conv1d_reference(x, w, b if bias else None, **kw)
-    assert y.dtype == x_dtype and final.dtype == x_dtype and final.shape == (2, (width - 1) * dilation, dim)
-    scale = float(np.abs(np.asarray(x, np.float64)).max() * np.abs(np.asarray(w, np.float64)).max()) + 1
-    assert_close(y, ry, x_dtype, width, scale)
-    np.testing.assert_array_equal(np.asarray(final, np.float64), rfinal)  # copies, not sums
+    x, w, b, state, dy = inputs(0, 2, length, dim, width, x_dtype, w_dtype, dilation)
+    check_against_oracles(IMPLS[name], x, w, b if bias else None, state if stateful else None, dy,
+                          ids(5, 2, length) if segmented else None, activation=activation, dilation=dilation)
 
 
-# The README's command: widths 3 and 4, dilations 1 and 3, float16 and Mamba's mixed
-# dtypes, with segments and states; the slow tier the other named cases and the grid's
-# small ones (the forward's grid is the fast tier's).
-FAST_GRADIENTS = [GRID[-1]]
+@pytest.mark.parametrize("name", harness.params(IMPLS, slow=lambda impl: False))
+def test_nan_in_one_document_reaches_no_other_and_gradients_stay_inside(name):
+    conv = IMPLS[name]
+    x, w, b, state, _ = inputs(7, 2, 30, 16, 4, F32, F32)
+    doc = ids(8, 2, 30)
+    doc[0] = np.where(doc[0] >= 0, doc[0] + 100, doc[0])  # row 0's documents are not row 1's
+    check_nan_isolation(lambda x, s: conv(x, w, b, segment_ids=doc, initial_state=s, activation="silu"), x, state, doc)
 
 
-@pytest.mark.parametrize(
-    "case", tiered([c for c in GRID if c[1] > 5 or c[2] == 13], lambda c: c in FAST_GRADIENTS), ids=_grid_id,
-)
-def test_gradients_match_autodiff_of_a_float64_oracle(case):
-    """dx, dweight, dbias and dinitial_state, against jax's float64 autodiff of the formula."""
-    width, dim, length, dilation, bias, activation, x_dtype, w_dtype, segmented, stateful = case
-    x, w, b, state = _inputs(2, 2, length, dim, width, x_dtype, w_dtype, dilation)
-    ids = _ids(3, 2, length) if segmented else np.zeros((2, length), np.int32)
-    dy = random(4, x.shape, x_dtype)
-
-    def ours(x, w, b, state):
-        return causal_conv1d(
-            x, w, b if bias else None, segment_ids=ids if segmented else None,
-            initial_state=state if stateful else None, activation=activation, dilation=dilation,
-        )
-
-    _, vjp = jax.vjp(ours, x, w, b, state)
-    grads = vjp(dy)
-    with jax.enable_x64(True):
-        as64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-        zeros = jnp.zeros_like(as64(state))
-
-        def oracle(x, w, b, state):
-            return _oracle(x, w, b if bias else None, jnp.asarray(ids), state if stateful else zeros, activation, dilation)
-
-        _, vjp64 = jax.vjp(oracle, *map(as64, (x, w, b, state)))
-        expected = [np.asarray(g) for g in vjp64(as64(dy))]
-    names = ("dx", "dweight", "dbias", "dinitial_state")
-    reductions = (width, 2 * length, 2 * length, width)
-    for name, got, want, reduction, like in zip(names, grads, expected, reductions, (x, w, b, state)):
-        assert got.dtype == like.dtype, name
-        if (name == "dbias" and not bias) or (name == "dinitial_state" and not stateful):
-            assert not np.asarray(got, np.float64).any(), name
-            continue
-        scale = float(np.abs(np.asarray(dy, np.float64)).max()) * max(1.0, float(np.abs(np.asarray(x, np.float64)).max()))
-        scale *= max(1.0, float(np.abs(np.asarray(w, np.float64)).max())) * (width + 1)
-        assert_close(got, want, got.dtype, reduction, scale)
+@pytest.mark.parametrize("name, dtype", harness.cases(IMPLS, [F32, BF16], lambda impl, dtype: dtype == F32, str))
+def test_packed_documents_equal_documents_run_alone_bit_for_bit(name, dtype):
+    conv = IMPLS[name]
+    check_packed_equals_alone(lambda x, w, b, ids: conv(x, w, b, segment_ids=ids, activation="silu"), dtype)
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_packed_documents_equal_documents_run_alone_bit_for_bit(dtype):
-    """The packed-vs-unpacked check: a document's outputs in a packed row are its outputs alone.
+@pytest.mark.parametrize("name", harness.params(IMPLS, slow=lambda impl: True))
+def test_two_runs_are_bit_identical(name):
+    conv = IMPLS[name]
+    x, w, b, state, dy = inputs(9, 2, 45, 20, 4, BF16, F32)
+    doc = ids(10, 2, 45)
 
-    Alone: each document in its own row, right-padded (negative ids) to the packed
-    length, as an unpacked batch is; and, from two tokens on, at its own length. (A
-    one-token document at its own length is a different program: jax 0.10's CPU
-    compiler folds the three taps that read only padding away and fuses the one product
-    left with the bias add, one rounding fewer: the last bit can differ there.)
-    """
-    rng = np.random.default_rng(5)
-    lengths, dim, width = [37, 5, 64, 1, 2, 57], 48, 4
-    docs = [random(10 + i, (1, n, dim), dtype) for i, n in enumerate(lengths)]
-    w, b = random(1, (width, dim), np.float32, scale=0.5), random(2, (dim,), np.float32)
-    packed = jnp.concatenate(docs, axis=1)
-    total = packed.shape[1]
-    ids = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])[None].astype(np.int32)
-    silu = jax.jit(lambda x, ids: causal_conv1d(x, w, b, segment_ids=ids, activation="silu"))
-    alone = jax.jit(lambda x: causal_conv1d(x, w, b, activation="silu"))
-    y = np.asarray(silu(packed, ids))
-    start = 0
-    for doc, n in zip(docs, lengths):
-        row = jnp.zeros((1, total, dim), dtype).at[:, :n].set(doc)
-        row_ids = np.where(np.arange(total) < n, int(rng.integers(0, 100)), -1)[None].astype(np.int32)
-        np.testing.assert_array_equal(np.asarray(silu(row, row_ids))[:, :n], y[:, start : start + n])
-        if n > 1:
-            np.testing.assert_array_equal(np.asarray(alone(doc)), y[:, start : start + n])
-        start += n
+    def run():
+        f = lambda x, w, b, s: conv(x, w, b, segment_ids=doc, initial_state=s, activation="silu")  # noqa: E731
+        y, vjp = jax.vjp(f, x, w, b, state)
+        return [np.asarray(a) for a in (y, *vjp(dy))]
+
+    for first, second in zip(run(), run()):
+        np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("name", harness.params(KERNEL_BACKENDS, slow=lambda i: True))
+def test_derivatives_of_every_order_match_the_xla_implementation(name):
+    """Forward mode, reverse over reverse, a Hessian and a transposed JVP through the
+    kernels, against the xla implementation's: the backend supplies a forward and a
+    backward, the op's primitives every derivative above the first."""
+    x, w, b, state, _ = inputs(21, 2, 11, 16, 3, F32, F32, dilation=2)
+    kw = dict(segment_ids=jnp.asarray(ids(26, 2, 11)), activation="silu", dilation=2)
+    check_derivatives_of_every_order(lambda x, w, b, s: IMPLS[name](x, w, b, initial_state=s, **kw),
+                                     lambda x, w, b, s: IMPLS["xla"](x, w, b, initial_state=s, **kw), x, w, b, state)
+
+
+@pytest.mark.parametrize("name", harness.params(KERNEL_BACKENDS, slow=lambda i: False))
+def test_second_derivative_in_the_weight_runs(name):
+    """A gradient of a gradient through the op's primitives (the fast tier's one): the
+    backend's backward kernel gives the first, the op's reference the second."""
+    x, w, b, _, _ = inputs(3, 1, 9, 8, 3, F32, F32)
+    inner = lambda f: lambda w: jnp.sum(jax.grad(lambda x: jnp.sum(f(x, w, b, activation="silu") ** 2))(x) ** 2)  # noqa: E731
+    got, want = jax.grad(inner(IMPLS[name]))(w), jax.grad(inner(IMPLS["xla"]))(w)
+    assert_close(got, want, F32, 9 * 3 * 2, float(np.abs(np.asarray(want)).max()) + 1)
+
+
+@pytest.mark.parametrize("name", harness.params(IMPLS))
+def test_vmap_over_examples_folds_into_the_batch(name):
+    conv = IMPLS[name]
+    x, w, b, _, _ = inputs(13, 2, 9, 16, 3, F32, F32)
+    f = lambda x: conv(x, w, b, activation="silu")  # noqa: E731
+    np.testing.assert_array_equal(jax.vmap(f)(jnp.stack([x, 2 * x])), jnp.stack([f(x), f(2 * x)]))
+
+
+@pytest.mark.parametrize("name", harness.params(IMPLS, slow=lambda impl: False))
+def test_empty_sequences_give_empty_outputs_and_zero_gradients(name):
+    conv = IMPLS[name]
+    x, w = jnp.ones((2, 0, 8), jnp.float32), jnp.ones((4, 8), jnp.float32)
+    state = jnp.ones((2, 3, 8), jnp.float32)
+    assert conv(x, w, initial_state=state).shape == (2, 0, 8)
+    gw, gs = jax.grad(lambda w, s: conv(x, w, initial_state=s).sum(), (0, 1))(w, state)
+    assert not np.asarray(gw).any() and not np.asarray(gs).any()
+
+
+# --------------------------------------------------------------------------- the op
 
 
 def test_initial_state_continues_the_sequence():
     """Splitting a sequence in two, with the first part's final state as the second's initial state, changes nothing."""
-    x, w, b, _ = _inputs(6, 2, 40, 16, 4, F32, F32, dilation=2)
+    x, w, b, _, _ = inputs(6, 2, 40, 16, 4, F32, F32, dilation=2)
     whole = causal_conv1d(x, w, b, activation="silu", dilation=2)
     first, state = causal_conv1d(x[:, :23], w, b, activation="silu", dilation=2, return_final_state=True)
     second = causal_conv1d(x[:, 23:], w, b, activation="silu", dilation=2, initial_state=state)
     np.testing.assert_array_equal(np.concatenate([first, second], axis=1), whole)
-
-
-def test_nan_in_one_document_reaches_no_other():
-    x, w, b, state = _inputs(7, 2, 30, 8, 4, F32, F32)
-    ids = _ids(8, 2, 30)
-    f = jax.jit(lambda x, state: causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu"))
-    clean = np.asarray(f(x, state))
-    for doc in np.unique(ids[ids >= 0]):
-        poisoned = jnp.where(jnp.asarray((ids == doc) | (ids < 0))[..., None], jnp.nan, x)
-        y = np.asarray(f(poisoned, state))
-        np.testing.assert_array_equal(y[ids != doc], clean[ids != doc])
-    assert (clean[ids < 0] == 0).all()
-    # The gradient of one document's outputs is zero outside it, the state included for later documents.
-    doc = int(ids[0, -1]) if ids[0, -1] >= 0 else int(ids[0][ids[0] >= 0][-1])
-    gx, gs = jax.grad(lambda x, s: jnp.where(jnp.asarray(ids == doc)[..., None], f(x, s), 0).sum(), (0, 1))(x, state)
-    assert (np.asarray(gx)[ids != doc] == 0).all()
-    if ids[0, 0] != doc:
-        assert (np.asarray(gs)[0] == 0).all()
 
 
 @pytest.mark.parametrize(
@@ -228,11 +153,11 @@ def test_bad_input_says_what_is_wrong(change, error, match):
 def test_lowered_for_cuda_it_is_elementwise_no_convolution_and_no_dot(segmented):
     """implementation=None for cuda: the forward and both gradients hold no convolution (cuDNN may
     choose Winograd or FFT) and no dot (a grouped convolution's batched dot, one tiny GEMM per channel)."""
-    x, w, b, state = _inputs(9, 2, 64, 32, 4, BF16, F32)
-    ids = _ids(10, 2, 64) if segmented else None
+    x, w, b, state, _ = inputs(9, 2, 64, 32, 4, BF16, F32)
+    doc = ids(10, 2, 64) if segmented else None
 
     def loss(x, w, b, state):
-        y = causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu")
+        y = causal_conv1d(x, w, b, segment_ids=doc, initial_state=state, activation="silu")
         return y.astype(jnp.float32).sum()
 
     with cuda_lowering():
@@ -251,12 +176,12 @@ def test_implementation_none_is_chosen_per_platform_when_lowered(monkeypatch):
     one export for ``("cpu", "cuda")`` holds them in its cuda branch and xla's maps in its cpu
     branch, and runs here as ``implementation="xla"`` does."""
     monkeypatch.setattr(backends.REGISTRY, "preference", ("pallas_triton", "xla"))
-    x, w, b, state = _inputs(30, 2, 64, 32, 4, F32, F32)
-    ids = _ids(31, 2, 64)
+    x, w, b, state, _ = inputs(30, 2, 64, 32, 4, F32, F32)
+    doc = ids(31, 2, 64)
 
     def value_and_grad(implementation):
         def loss(x, w, b, state):
-            return causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu",
+            return causal_conv1d(x, w, b, segment_ids=doc, initial_state=state, activation="silu",
                                  implementation=implementation).sum()
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))

@@ -1,13 +1,11 @@
-"""The Mosaic GPU kernels of ``causal_conv1d(implementation="pallas_mosaic_gpu")``.
+"""What is ``causal_conv1d(implementation="pallas_mosaic_gpu")``'s alone: its Mosaic GPU kernels.
 
-In Mosaic GPU's interpreter on CPU (compiled on a GPU): the shared cases of
-test_causal_conv1d.py (its ``GRID``: widths, dilations, dtypes, bias, SiLU, segment ids,
-states), the forward and final state against the float64 reference, the gradients (x,
-weight, bias, initial state) against the ``xla`` implementation differentiated in
-float64; exactness across documents (NaN isolation, exactly zero gradients, packed equals
-alone bit for bit); derivatives above the first through the op's primitives. Without a
-GPU: the cuda lowering (three named Mosaic GPU kernels, no convolution) and, where the
-CUDA plugin is installed (.ci/run's sm_90a stage), a compile to sm_90a without spills.
+The shared suite (test_causal_conv1d.py) runs these kernels, in Mosaic GPU's interpreter on
+CPU (compiled on a GPU), against the oracles, through exactness, determinism and the
+derivatives above the first. Here: its default and wide tiles against the oracles;
+without a GPU the cuda lowering (three named Mosaic GPU kernels, no convolution) and,
+where the CUDA plugin is installed (.ci/run's sm_90a stage), a compile to sm_90a
+without spills; its dispatch, refusals and config.
 
 jax 0.10 has no ``plgpu.kernel`` interpreter: every test but the import check skips
 there. Every test's id holds "mosaic" (the module's name), which .ci/run selects on.
@@ -25,14 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import test_causal_conv1d as shared  # the shared cases: this directory is on sys.path
-from support.implementations import ON_GPU
+from support.harness import ON_GPU
 from support.lowering import cuda_lowering
-from support.numerics import assert_close, random
-from support.short_conv_kernels import (
-    check_against_oracles, check_derivatives_of_every_order, check_nan_isolation, check_packed_equals_alone,
-)
-from support.tiers import tiered
+from support.short_conv import F32, MISSING, check_against_oracles, ids, inputs
 
 from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
@@ -40,115 +33,21 @@ from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_gpu import DTYPES, KERNELS
 
 NAME = "pallas_mosaic_gpu"
 RECORD = backends.REGISTRY.get(NAME)
-BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)
-INTERPRET = not ON_GPU
-_WHY = RECORD.unsupported(make_problem(np.zeros((1, 4, 8), np.float32), np.zeros((3, 8), np.float32))[0], None, True)
-needs_mosaic = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
-# Several position tiles (the state's included) and channel blocks at test sizes.
-SMALL = Config(block_channels=16, backward_block_channels=16)
+BF16, F16 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+needs_mosaic = pytest.mark.skipif(NAME in MISSING, reason=MISSING.get(NAME, ""))
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def conv(implementation=NAME, config=SMALL, **kw):
-    """``causal_conv1d`` by ``implementation``: this backend interpreted off a GPU, xla as it is."""
-    if implementation == NAME:
-        kw = dict(kw, interpret=INTERPRET, config=config)
-    return lambda x, w, b=None, **more: causal_conv1d(x, w, b, implementation=implementation, **kw, **more)
-
-
-def _check(case, config=SMALL, seed=0, batch=2):
-    """Forward, final state and every gradient of one case against the oracles."""
-    width, dim, length, dilation, bias, activation, x_dtype, w_dtype, segmented, stateful = case
-    x, w, b, state = shared._inputs(seed, batch, length, dim, width, x_dtype, w_dtype, dilation)
-    dy = random(seed + 4, x.shape, x_dtype)
-    ids = shared._ids(seed + 5, batch, length) if segmented else None
-    check_against_oracles(lambda x, w, b, **kw: conv(config=config)(x, w, b, **kw), x, w, b if bias else None,
-                          state if stateful else None, dy, ids, activation=activation, dilation=dilation)
-
-
-# The shared grid; the README's command runs Mamba's case (16-bit activations, float32
-# weights, segments and a state) and a dilated float16 one, the slow tier the rest.
-FAST = [shared.GRID[-2], shared.GRID[-1]]
-
-
-@needs_mosaic
-@pytest.mark.parametrize("case", tiered(shared.GRID, lambda c: c in FAST), ids=shared._grid_id)
-def test_mosaic_matches_the_shared_grid(case):
-    _check(case)
-
-
 @needs_mosaic
 @pytest.mark.slow
-def test_mosaic_default_tiles_and_wide_tiles_match_the_oracles():
+@pytest.mark.parametrize("config", [None, Config(block_positions=128, block_channels=16, backward_block_positions=128,
+                                                 backward_block_channels=16)], ids=["default", "wide"])
+def test_mosaic_default_tiles_and_wide_tiles_match_the_oracles(config):
     """Config.get_default (channels fitted to D), and 128-position tiles (the state in one)."""
-    case = (4, 20, 37, 3, True, "silu", F32, F32, True, True)
-    _check(case, config=None, batch=1)
-    _check(case, config=Config(block_positions=128, block_channels=16, backward_block_positions=128,
-                               backward_block_channels=16), batch=1)
-
-
-# --------------------------------------------------------------------------- exactness
-
-
-@needs_mosaic
-def test_mosaic_nan_in_one_document_reaches_no_other_and_gradients_stay_inside():
-    batch, length, dim, width = 2, 30, 16, 4
-    x, w, b, state = shared._inputs(7, batch, length, dim, width, F32, F32)
-    ids = shared._ids(8, batch, length)
-    ids[0] = np.where(ids[0] >= 0, ids[0] + 100, ids[0])  # row 0's documents are not row 1's
-    check_nan_isolation(lambda x, s: conv(segment_ids=ids, activation="silu")(x, w, b, initial_state=s), x, state, ids)
-
-
-@needs_mosaic
-@pytest.mark.parametrize("dtype", [F32, pytest.param(BF16, marks=pytest.mark.slow)], ids=str)
-def test_mosaic_packed_documents_equal_documents_run_alone_bit_for_bit(dtype):
-    check_packed_equals_alone(lambda x, w, b, ids: conv(segment_ids=ids, activation="silu")(x, w, b), dtype)
-
-
-# --------------------------------------------------------------------------- derivatives through the op's primitives
-
-
-@needs_mosaic
-@pytest.mark.slow
-def test_mosaic_derivatives_of_every_order_match_the_xla_implementation():
-    """Forward mode, reverse over reverse, a Hessian and a transposed JVP through the
-    kernels, against the xla implementation's: the backend supplies a forward and a
-    backward, the op's primitives every derivative above the first."""
-    x, w, b, state = shared._inputs(21, 2, 11, 16, 3, F32, F32, dilation=2)
-    ids = jnp.asarray(shared._ids(26, 2, 11))
-    kw = dict(segment_ids=ids, activation="silu", dilation=2)
-    mosaic = lambda x, w, b, s: conv(**kw)(x, w, b, initial_state=s)  # noqa: E731
-    xla = lambda x, w, b, s: conv("xla", **kw)(x, w, b, initial_state=s)  # noqa: E731
-    check_derivatives_of_every_order(mosaic, xla, x, w, b, state)
-
-
-@needs_mosaic
-def test_mosaic_second_derivative_in_the_weight_runs():
-    """A gradient of a gradient through the op's primitives (the fast tier's one): the
-    backend's backward kernel gives the first, the op's reference the second."""
-    x, w, b, _ = shared._inputs(3, 1, 9, 8, 3, F32, F32)
-    inner = lambda f: lambda w: jnp.sum(jax.grad(lambda x: jnp.sum(f(x, w, b) ** 2))(x) ** 2)  # noqa: E731
-    got = jax.grad(inner(conv(activation="silu")))(w)
-    want = jax.grad(inner(conv("xla", activation="silu")))(w)
-    assert_close(got, want, F32, 9 * 3 * 2, float(np.abs(np.asarray(want)).max()) + 1)
-
-
-@needs_mosaic
-@pytest.mark.slow
-def test_mosaic_vmap_over_examples_folds_into_the_batch():
-    x, w, b, _ = shared._inputs(13, 2, 9, 16, 3, F32, F32)
-    f = lambda x: conv(activation="silu")(x, w, b)  # noqa: E731
-    np.testing.assert_array_equal(jax.vmap(f)(jnp.stack([x, 2 * x])), jnp.stack([f(x), f(2 * x)]))
-
-
-@needs_mosaic
-def test_mosaic_empty_sequences_give_empty_outputs_and_zero_gradients():
-    x, w = jnp.ones((2, 0, 8), jnp.float32), jnp.ones((4, 8), jnp.float32)
-    state = jnp.ones((2, 3, 8), jnp.float32)
-    y = conv()(x, w, initial_state=state)
-    assert y.shape == (2, 0, 8)
-    gw, gs = jax.grad(lambda w, s: conv()(x, w, initial_state=s).sum(), (0, 1))(w, state)
-    assert not np.asarray(gw).any() and not np.asarray(gs).any()
+    x, w, b, state, dy = inputs(0, 1, 37, 20, 4, F32, F32, dilation=3)
+    conv = lambda x, w, b=None, **kw: causal_conv1d(x, w, b, implementation=NAME, interpret=not ON_GPU,  # noqa: E731
+                                                    config=config, **kw)
+    check_against_oracles(conv, x, w, b, state, dy, ids(5, 1, 37), activation="silu", dilation=3)
 
 
 # --------------------------------------------------------------------------- lowering and compiling for sm_90a

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.numerics import assert_close
-from support.short_conv_kernels import implementation_params
+from support.short_conv import implementation_params
 from support.tiers import tiered
 
 from maskconv_kernels.ops.causal_conv1d import PAD_SLOT_ID, causal_conv1d, causal_conv1d_step

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.numerics import assert_close, random
-from support.short_conv_kernels import implementation_params
+from support.short_conv import implementation_params
 from support.tiers import tiered
 
 from maskconv_kernels.compat import causal_conv1d as compat

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.implementations import ON_GPU
+from support.harness import ON_GPU
 from support.numerics import assert_close
 from support.tiers import tiered
 

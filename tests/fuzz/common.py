@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 __all__ = [
     "F32", "BF16", "F16", "LONG", "SLOW_TIER_EXAMPLES", "long_settings", "slow_tier_settings", "by_tier", "magnitude", "segment_layout", "chunk_schedule", "nan_positions",
-    "bits", "time_limit", "tier_params", "fuzz_tests",
+    "bits", "time_limit", "fuzz_tests",
 ]
 
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)
@@ -50,11 +50,6 @@ def by_tier(params) -> tuple[list, list]:
     """``params`` split: those of the fast tier, and those marked ``slow``."""
     slow = [p for p in params if any(m.name == "slow" for m in p.marks)]
     return [p for p in params if p not in slow], slow
-
-
-def tier_params(names, slow: set[str]) -> list:
-    """Implementation names as params: those in ``slow`` (interpreters) marked ``slow`` and ``interpreted``."""
-    return [pytest.param(n, id=n, marks=[pytest.mark.slow, pytest.mark.interpreted] if n in slow else []) for n in names]
 
 
 def fuzz_tests(property_, params, long_name: str = "xla", long_scale: float = 1.0):

@@ -25,28 +25,25 @@ import numpy as np
 import pytest
 from hypothesis import assume
 from hypothesis import strategies as st
+from support import harness
 from support.causal import IMPLS
-from support.implementations import PLATFORM
 from support.numerics import assert_close, random
 
 import maskconv_kernels as mk
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.ops.causal_conv import backends, causal_conv_reference
-from maskconv_kernels.ops.causal_conv.checks import make_problem
+from maskconv_kernels.ops.causal_conv import causal_conv_reference
 from maskconv_kernels.ops.causal_conv.reference import _resolved
 from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
 
 from . import regressions
-from .common import BF16, F16, F32, bits, chunk_schedule, fuzz_tests, magnitude, nan_positions, segment_layout, tier_params
+from .common import BF16, F16, F32, bits, chunk_schedule, fuzz_tests, magnitude, nan_positions, segment_layout
 
-PARAMS = tier_params(sorted(IMPLS), {n for n, impl in IMPLS.items() if impl.slow})
+PARAMS = harness.params(IMPLS)
 
 
 def _unsupported(name, x_shape, k_shape, dtype, segmented=False, **kw):
-    impl = IMPLS[name]
     ids = np.zeros(x_shape[:-1], np.int32) if segmented else None
-    problem = make_problem("causal_conv", np.zeros(x_shape, dtype), np.zeros(k_shape, dtype), None, ids, **kw)[0]
-    return backends.REGISTRY.get(impl.implementation).unsupported(problem.spec, PLATFORM, impl.interpret)
+    return IMPLS[name].unsupported(np.zeros(x_shape, dtype), np.zeros(k_shape, dtype), None, segment_ids=ids, **kw)
 
 
 @st.composite

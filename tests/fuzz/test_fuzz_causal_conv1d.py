@@ -22,43 +22,29 @@ activations, float32 weights with 16-bit activations as Mamba keeps them). Check
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import strategies as st
-from support.implementations import ON_GPU, PLATFORM
+from support import harness, short_conv
 from support.numerics import assert_close, random
 
 import maskconv_kernels as mk
-from maskconv_kernels.ops.causal_conv1d import backends
-from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 from maskconv_kernels.ops.causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
 
 from . import regressions
-from .common import BF16, F16, F32, bits, chunk_schedule, fuzz_tests, magnitude, nan_positions, tier_params
+from .common import BF16, F16, F32, bits, chunk_schedule, fuzz_tests, magnitude, nan_positions
 
-def _implementations() -> dict[str, tuple[str, bool]]:
-    """Every implementation that runs here, ``{suite name: (implementation, interpret)}``: "xla", and
-    the kernels compiled on GPUs or interpreted elsewhere (``"<name>_interpret"``, the slow tier's);
-    one that does not run here (a missing package, an older jax) is left out."""
-    probe = make_problem(np.zeros((1, 4, 2), np.float32), np.zeros((2, 2), np.float32))[0]
-    found = {}
-    for name in backends.IMPLEMENTATIONS:
-        interpret = name != "xla" and not ON_GPU
-        if backends.REGISTRY.get(name).unsupported(probe, PLATFORM, interpret) is None:
-            found[f"{name}_interpret" if interpret else name] = (name, interpret)
-    return found
-
-
-IMPLS = _implementations()
-SLOW = {name for name, (_, interpret) in IMPLS.items() if interpret}
-PARAMS = tier_params(sorted(IMPLS), SLOW)
+# Interpreted kernels at their default tiles: the shared suite runs them at small ones.
+IMPLS = {name: dataclasses.replace(impl, config=None) for name, impl in short_conv.IMPLS.items()}
+PARAMS = harness.params(IMPLS)
 
 
 def _kw(name):
-    implementation, interpret = IMPLS[name]
-    return dict(implementation=implementation, interpret=interpret)
+    return dict(implementation=IMPLS[name].implementation, interpret=IMPLS[name].interpret)
 
 
 def _ids_of_positions(positions):

@@ -38,7 +38,7 @@ from .common import (
 
 def _call(name, x, k, mask, **args):
     b = BACKENDS[name]
-    return mk.masked_conv(x, k, mask, implementation=b.implementation, interpret=b.interpret, config=b.config, **args)
+    return mk.masked_conv(x, k, mask, **b.kwargs(**args))
 
 
 def _takes(name, dtype=F32, ndim=2, mask_full=False, **args) -> bool:

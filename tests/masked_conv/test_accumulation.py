@@ -33,8 +33,8 @@ def test_input_gradient_keeps_what_cancels_between_pieces(conv, dtype):
     kernel = jnp.asarray([1 + eps, 5.0, -(1 + 2 * eps)], dtype).reshape(3, 1, 1)
     mask = np.array([1, 0, 1], bool)
     cotangent = jnp.asarray([1.0, 0.0, 1 + eps], dtype).reshape(1, 3, 1)
-    if conv.fn.unsupported(x, kernel, mask) is not None:
-        pytest.skip(f"{conv.name} does not run {dtype}: {conv.fn.unsupported(x, kernel, mask)}")
+    if conv.unsupported(x, kernel, mask) is not None:
+        pytest.skip(f"{conv.name} does not run {dtype}: {conv.unsupported(x, kernel, mask)}")
     _, vjp = jax.vjp(lambda x: conv(x, kernel, mask), x)
     (dx,) = vjp(cotangent)
     assert dx.dtype == dtype
@@ -79,7 +79,7 @@ def test_three_maps_round_once_on_multi_piece_masks(conv, name, dtype):
     x_shape, window, c_out, mask, kw = CASES[name]
     x = random(30, x_shape, dtype)
     k = random(31, (*window, x_shape[-1], c_out), dtype, scale=1 / np.sqrt(np.prod(window) * x_shape[-1]))
-    reason = conv.fn.unsupported(x, k, mask, **kw)
+    reason = conv.unsupported(x, k, mask, **kw)
     if reason is not None:
         pytest.skip(f"{conv.name} does not run this case: {reason}")
     y_ref = masked_conv_reference(x, k, mask, **kw)

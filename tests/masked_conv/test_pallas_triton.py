@@ -11,13 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.lowering import cuda_lowering, with_ttir_passes
+from support.lowering import capture_triton_modules, compile_triton_modules, cuda_lowering
 from support.numerics import assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels._core.hardware import COMPUTE_CAPABILITY
 from maskconv_kernels.ops.masked_conv import implementation_for, maps, pallas_triton
 from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
 from maskconv_kernels.ops.masked_conv.pallas_triton import Config
@@ -144,56 +143,28 @@ def test_acceptance_shapes_compile_to_pipelined_wgmma(window, mask_type, monkeyp
     silently lose: clamping the channel index once turned the x and dy gathers into
     scalar loads with no pipelining (benchmarks/results/h200-2026-11-30-first-run).
     """
-    triton = pytest.importorskip("triton", reason="compiling the Pallas kernels' Triton IR needs triton")
-    from jax._src.pallas.triton import lowering  # the one place jax exposes the Triton module it lowers to
-    from triton.backends.compiler import GPUTarget
-
-    modules = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = original(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
-
-    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+    pytest.importorskip("triton", reason="compiling the Pallas kernels' Triton IR needs triton")
+    captured = capture_triton_modules(monkeypatch)
     x = jnp.zeros((64, 32, 32, 256), jnp.bfloat16)
     k = jnp.zeros((*window, 256, 256), jnp.bfloat16)
     mask = mk.pixelcnn_mask(window, mask_type)
     spec = make_spec(x, k, mask)
     loss = lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton").astype(jnp.float32).sum()
     _lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
-    assert len(modules) == 3, len(modules)
+    assert len(captured) == 3, len(captured)
     # The three kernels' default tiles launch alike in 16-bit, so one set of options compiles what runs.
     (launch,) = {(b.num_warps, b.num_stages) for b in
                  (Config.get_default(spec, jnp.bfloat16, kernel) for kernel in KERNELS)}
-    # Triton starts a .ttir file after its TTIR stage: run that stage's passes first.
-    if hasattr(triton.knobs.runtime, "add_stages_inspection_hook"):
-        monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", with_ttir_passes)
-    else:  # older triton: wrap the backend's stages, and compile afresh (its cache key does not see this)
-        from triton.backends.nvidia.compiler import CUDABackend
-
-        add_stages = CUDABackend.add_stages
-
-        def with_passes(self, stages, options, *rest):
-            add_stages(self, stages, options, *rest)
-            with_ttir_passes(self, stages, options, None, self._parse_arch(options.arch))
-
-        monkeypatch.setattr(CUDABackend, "add_stages", with_passes)
-        monkeypatch.setenv("TRITON_ALWAYS_COMPILE", "1")
-    for i, module in enumerate(modules):
-        path = tmp_path / f"kernel{i}.ttir"
-        path.write_text(module)
-        # Fusion as XLA compiles Pallas kernels (on), stated: triton 3.9 warns when unset.
-        options = dict(num_warps=launch[0], num_stages=launch[1], enable_fp_fusion=True)
-        ptx = triton.compile(str(path), target=GPUTarget("cuda", COMPUTE_CAPABILITY, 32), options=options).asm["ptx"]
-        assert "cp.async.cg.shared.global" in ptx, f"kernel {i}: loads are not pipelined async copies"
-        assert "ld.global" not in ptx, f"kernel {i}: some loads are plain (scalar or unpipelined) loads"
-        assert "wgmma.mma_async" in ptx, f"kernel {i}: no Hopper warp-group MMA"
+    modules = {f"kernel{i}": module for i, module in enumerate(captured)}
+    options = dict.fromkeys(modules, dict(num_warps=launch[0], num_stages=launch[1]))
+    for i, ptx in compile_triton_modules(modules, options, tmp_path, monkeypatch).items():
+        assert "cp.async.cg.shared.global" in ptx, f"{i}: loads are not pipelined async copies"
+        assert "ld.global" not in ptx, f"{i}: some loads are plain (scalar or unpipelined) loads"
+        assert "wgmma.mma_async" in ptx, f"{i}: no Hopper warp-group MMA"
         # What the TTIR passes give (and a .ttir file compiled without them lacks): the
         # accumulate fused into the wgmma, and one wgmma group kept in flight.
-        assert "add.f32" not in ptx, f"kernel {i}: the accumulator is added separately from the wgmma"
-        assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"kernel {i}: every wgmma is waited for at once"
+        assert "add.f32" not in ptx, f"{i}: the accumulator is added separately from the wgmma"
+        assert "wgmma.wait_group.sync.aligned 1;" in ptx, f"{i}: every wgmma is waited for at once"
 
 
 _SMALL_TILES = Config(block_pixels=16, block_c_in=16, block_c_out=16, block_pixels_reduce=16)

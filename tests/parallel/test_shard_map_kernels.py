@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from support.implementations import BACKENDS
 from support.numerics import random
-from support.short_conv_kernels import implementation_params
+from support.short_conv import implementation_params
 from support.tiers import tiered
 
 import maskconv_kernels as mk

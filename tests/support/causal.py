@@ -1,8 +1,8 @@
-"""``causal_conv``'s implementations as its suites call them, taken from its registry.
+"""``causal_conv``'s implementations as its suites call them (:mod:`support.harness`), and its cases.
 
 Every implementation of :data:`maskconv_kernels.ops.causal_conv.IMPLEMENTATIONS` that runs
 here enters the suites: ``"xla"`` as it is, kernel backends compiled on GPUs and in their
-interpreters elsewhere, in the dtype they take (:func:`support.implementations.suite_dtype`).
+interpreters elsewhere, in the dtype they take (:func:`support.harness.suite_dtype`).
 An implementation that does not take a case skips it with its own reason (its
 ``NotImplementedError`` is tested once, in test_causal_conv.py). The kernel backends'
 reduction order is fixed by channel tiles, so their streams must equal the full pass
@@ -15,7 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.implementations import ON_GPU, PLATFORM, suite_dtype
+from support import harness
+from support.harness import Op
 from support.numerics import random
 
 import maskconv_kernels as mk
@@ -23,18 +24,29 @@ from maskconv_kernels.ops.causal_conv import backends
 from maskconv_kernels.ops.causal_conv.checks import make_problem
 
 __all__ = [
-    "case_params", "Impl", "IMPLS", "impl_params", "FAST_INTERPRETED", "INTERPRETED", "Case", "CASES", "TRANSPOSED", "bits", "scale",
+    "CAUSAL_CONV", "CAUSAL_CONV_TRANSPOSE", "case_params", "Impl", "IMPLS", "MISSING", "impl_params", "INTERPRETED",
+    "Case", "CASES", "TRANSPOSED", "bits", "scale",
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Impl:
-    """One implementation, as the suites call it: ``causal_conv``'s keyword arguments."""
+def _problem(name, transposed):
+    def problem(x, kernel, bias=None, segment_ids=None, **kw):
+        return make_problem(name, x, kernel, bias, segment_ids, transposed=transposed, **kw)[0].spec
 
-    name: str
-    implementation: str
-    interpret: bool
-    dtype: np.dtype  # what the suites draw inputs in
+    return problem
+
+
+def _probe(dtype):
+    return _problem("causal_conv", False)(np.zeros((1, 4, 4, 2), dtype), np.zeros((3, 3, 2, 2), dtype))
+
+
+CAUSAL_CONV = Op(mk.causal_conv, backends.REGISTRY, _problem("causal_conv", False), _probe)
+CAUSAL_CONV_TRANSPOSE = Op(mk.causal_conv_transpose, backends.REGISTRY, _problem("causal_conv_transpose", True), _probe)
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl(harness.Implementation):
+    """One implementation of ``causal_conv``, its transpose and their streams, as the suites call them."""
 
     @property
     def exact_stream(self) -> bool:
@@ -45,30 +57,15 @@ class Impl:
         (8 ulp apart on an AMD EPYC). The compiled Triton kernels keep the claim."""
         return self.implementation != "xla" and not (self.implementation == "triton" and self.interpret)
 
-    @property
-    def slow(self) -> bool:
-        return self.interpret
-
-    def kwargs(self, **kw) -> dict:
-        out = dict(kw, implementation=self.implementation, interpret=self.interpret)
-        if ON_GPU and kw.get("precision") is None:
-            out["precision"] = "highest"  # IEEE float32 products: the float32 tolerance has no TF32 in it
-        return out
-
-    def skip_unsupported(self, x, kernel, transposed=False, **kw) -> None:
-        kw = {k: v for k, v in kw.items() if k not in ("implementation", "interpret", "config")}
-        problem = make_problem("causal_conv", x, kernel, None, kw.pop("segment_ids", None), transposed=transposed, **kw)[0]
-        reason = backends.REGISTRY.get(self.implementation).unsupported(problem.spec, PLATFORM, self.interpret)
-        if reason is not None:
-            pytest.skip(f'implementation="{self.implementation}" does not take this case: {reason}')
-
     def conv(self, x, kernel, bias=None, **kw):
-        self.skip_unsupported(x, kernel, **kw)
-        return mk.causal_conv(x, kernel, bias, **self.kwargs(**kw))
+        return self(x, kernel, bias, **kw)
+
+    def transposed(self) -> Impl:
+        """The same implementation of ``causal_conv_transpose``."""
+        return dataclasses.replace(self, op=CAUSAL_CONV_TRANSPOSE)
 
     def transpose(self, x, kernel, bias=None, **kw):
-        self.skip_unsupported(x, kernel, transposed=True, **kw)
-        return mk.causal_conv_transpose(x, kernel, bias, **self.kwargs(**kw))
+        return self.transposed()(x, kernel, bias, **kw)
 
     def stream(self, x_chunk, state, kernel, bias=None, **kw):
         return mk.causal_conv_stream(x_chunk, state, kernel, bias, **self.kwargs(**kw))
@@ -77,36 +74,15 @@ class Impl:
         return mk.causal_conv_transpose_stream(x_chunk, state, kernel, bias, **self.kwargs(**kw))
 
 
-def _impls() -> dict[str, Impl]:
-    found = {}
-    for record in backends.REGISTRY:
-        if record.name == "xla":
-            found["xla"] = Impl("xla", "xla", False, np.dtype("float32"))
-            continue
-        dtype = suite_dtype(record)
-        if dtype is None:  # not here (a missing package, an older jax): its own tests say so
-            continue
-        name = record.name if ON_GPU else f"{record.name}_interpret"
-        found[name] = Impl(name, record.name, not ON_GPU, dtype)
-    return found
-
-
-IMPLS = _impls()
-INTERPRETED = sorted(name for name, impl in IMPLS.items() if impl.slow)
+IMPLS, MISSING = harness.implementations(CAUSAL_CONV, kind=Impl)
 # Interpreters run the shared suites in the slow tier; the default run keeps one smoke
 # case of each (test_causal_conv.py's test_each_interpreted_kernel_backend_smoke).
-FAST_INTERPRETED: set[str] = set()
+INTERPRETED = sorted(name for name, impl in IMPLS.items() if impl.slow)
 
 
-def impl_params(fast_interpreted=FAST_INTERPRETED) -> list:
-    """Every implementation's name; interpreted ones marked slow except those of ``fast_interpreted``."""
-    out = []
-    for name, impl in sorted(IMPLS.items()):
-        if impl.slow and name not in fast_interpreted:
-            out.append(pytest.param(name, marks=[pytest.mark.slow, pytest.mark.interpreted]))
-        else:
-            out.append(name)
-    return out
+def impl_params() -> list:
+    """Every implementation's test id (:func:`support.harness.params`), interpreted ones in the slow tier."""
+    return harness.params(IMPLS)
 
 
 # --------------------------------------------------------------------------- cases (awkward sizes on purpose)
