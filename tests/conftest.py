@@ -3,10 +3,21 @@ registry holds that runs here), ``causal``, causal_conv's, and the hypothesis pr
 Helpers live in :mod:`support`."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import zlib
 
-import jax
+# The suites compile a few thousand small programs, most of their time on XLA:CPU: at LLVM's
+# -O0 (XLA's default is -O3) they compile about 20% faster (docs/development.md, Measured
+# test times). Only in xdist's workers (the README's test command, .ci/run) on a host
+# without a GPU plugin: a run without -n keeps XLA's default, as test_speed.py's timed
+# check needs, and so do the README's first command (the leak report) and the benchmarks.
+# Set before jax reads XLA_FLAGS (when its first backend starts).
+if ("PYTEST_XDIST_WORKER" in os.environ and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+        and not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402
 import pytest
 from hypothesis import settings
 

@@ -19,8 +19,8 @@ __all__ = ["Layout", "unit_index", "unit_indices", "unit_function", "chunk_lengt
            "CHUNK_BYTES"]
 
 # Budget for one chunk's largest batched tensor (cotangents, gradients, outputs): small
-# enough that a chunk's activations stay in cache (on 2 CPU cores a 32x32 PixelCNN audits
-# ~1.4x faster in chunks of 8 than of 64), large enough to amortise each call.
+# enough that a chunk's activations stay in cache, large enough to amortise each call
+# (docs/audit.md, Cost, measures it).
 CHUNK_BYTES = 8 * 2**20
 
 

@@ -36,14 +36,12 @@ MODES = {
                "models (a gated PixelCNN, a WaveNet-style stack; needs flax and a clone of the repository)"),
 }
 
-# Measured wall time of each mode's presets (compilation included), with the machine and
-# its load: a loaded machine takes longer.
+# Each mode's presets' wall time, compilation included, on a 2-core x86 VM (docs/performance.md
+# gives the measurements; a loaded machine takes longer).
 ESTIMATES = {
-    ("conv", "cpu"): ("3-5 min on a 2-core x86 VM (3 min 25 s with jax 0.10.2 at load average 2, "
-                      "4 min 24 s with jax 0.12 as other jobs raised it to 5)"),
+    ("conv", "cpu"): "3-5 min on a 2-core x86 VM",
     ("conv", "quick"): "15-20 s on a 2-core x86 VM",
-    ("causal_conv", "cpu"): ("3-5 min on a 2-core x86 VM (3 min 59 s with jax 0.10.2, 3 min 23 s with jax 0.12, "
-                             "other jobs holding the load average at 5)"),
+    ("causal_conv", "cpu"): "3-5 min on a 2-core x86 VM",
     ("causal_conv", "quick"): "10-15 s on a 2-core x86 VM",
 }
 

@@ -154,14 +154,13 @@ def params(found: dict[str, Implementation], slow: Callable[[Implementation], bo
 
 
 def cases(found: dict[str, Implementation], values: Iterable, fast: Callable[[Implementation, Any], bool],
-          case_id: Callable[[Any], str], only: Callable[[Implementation], bool] = lambda impl: True) -> list:
-    """``(implementation's test id, case)`` params for every implementation of ``found``
-    (those ``only`` keeps) and case of ``values``: in the slow tier unless ``fast(impl,
-    case)``, interpreted ones also marked ``interpreted``; ids ``<implementation>-<case>``."""
+          case_id: Callable[[Any], str]) -> list:
+    """``(implementation's test id, case)`` params for every implementation of ``found`` and
+    case of ``values``: in the slow tier unless ``fast(impl, case)``, interpreted ones also
+    marked ``interpreted``; ids ``<implementation>-<case>``."""
+    values = list(values)
     out = []
     for name, impl in sorted(found.items()):
-        if not only(impl):
-            continue
         for value in values:
             marks = [] if fast(impl, value) else [pytest.mark.slow]
             marks += [pytest.mark.interpreted] if impl.slow else []
