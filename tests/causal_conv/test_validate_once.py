@@ -9,6 +9,7 @@ from support.numerics import random
 
 import maskconv_kernels as mk
 from maskconv_kernels.ops.causal_conv import causal_conv_stream
+from maskconv_kernels.ops.causal_conv import checks as causal_checks
 from maskconv_kernels.ops.masked_conv import api as masked_api
 from maskconv_kernels.ops.masked_conv.spec import make_spec
 
@@ -29,6 +30,27 @@ def test_no_masked_conv_check_runs_inside_a_causal_conv_call(monkeypatch, call):
         "stream": lambda: causal_conv_stream(x[:, 4:], causal_conv_stream(x[:, :4], None, k, b)[1], k, b)[0],
     }[call]
     assert np.all(np.isfinite(np.asarray(jax.jit(run)())))
+
+
+@pytest.mark.parametrize("call", ["zeros", "channels_first", "transposed", "stream"])
+def test_a_causal_conv_call_builds_one_conv_spec(monkeypatch, call):
+    x, k = random(0, (1, 9, 3), np.float32), random(1, (3, 3, 4), np.float32)
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(kwargs)
+        return make_spec(*args, **kwargs)
+
+    monkeypatch.setattr(causal_checks, "make_spec", counted)
+    run = {
+        "zeros": lambda: mk.causal_conv(x, k),
+        "channels_first": lambda: mk.causal_conv(
+            x.transpose(0, 2, 1), k.transpose(2, 1, 0), dimension_numbers=("NCH", "OIH", "NCH")),
+        "transposed": lambda: mk.causal_conv_transpose(x, k, strides=2),
+        "stream": lambda: causal_conv_stream(x, None, k)[0],
+    }[call]
+    y = run()
+    assert len(built) == 1 and np.all(np.isfinite(np.asarray(y)))
 
 
 def test_a_resized_spec_keeps_its_checks_and_refuses_a_mask_it_cannot_carry():

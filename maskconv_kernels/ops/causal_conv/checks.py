@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..._core.args import as_operand, as_segment_ids, float_dtype, ints, is_int, padding_pairs
 from ..._core.errors import OpError
 from ..masked_conv.layout import Layout
-from ..masked_conv.spec import ConvSpec, make_spec
+from ..masked_conv.spec import ConvSpec, make_layout, make_spec
 
 __all__ = ["PADDING_MODES", "Problem", "make_problem"]
 
@@ -125,16 +124,10 @@ def make_problem(
             f"{tuple(x.shape)}, got shape {tuple(kernel.shape)}"
         )
     try:
-        # The caller's layout and the shared checks (dtypes, channels, groups); a full
-        # mask of ones in the kernel's own order, and no padding yet, whose pairs need
-        # the channels-last window.
-        caller = make_spec(
-            x, kernel, np.ones(kernel.shape, bool), strides=1, padding="VALID",
-            feature_group_count=feature_group_count, dimension_numbers=dimension_numbers,
-        )
+        # The caller's layout first: the padding pairs need the channels-last window.
+        layout = make_layout(x.shape, kernel.shape, dimension_numbers)
     except (TypeError, ValueError) as e:
         raise err.reworded(e) from None
-    layout = caller.layout
     x_shape, k_shape = layout.x_shape(x.shape), layout.kernel_shape(kernel.shape)
     window = tuple(int(k) for k in k_shape[:-2])
     batch, frames, *spatial = (int(n) for n in x_shape[:-1])
@@ -177,24 +170,28 @@ def make_problem(
         except (TypeError, ValueError) as e:
             raise err.reworded(e) from None
         _check_segmented(err, strides_, pads, window, dilation_, padding_mode, transposed)
-    x_cl = jax.ShapeDtypeStruct(x_shape, x.dtype)
-    k_cl = jax.ShapeDtypeStruct(k_shape, kernel.dtype)
-    acc = np.dtype(jnp.promote_types(jnp.float32, jnp.promote_types(x.dtype, kernel.dtype)))
+    k_spec = kernel
     if transposed:
         # What the implementations are asked about: a phase's stride-1 causal convolution.
         first_phase = -(-window[0] // strides_[0])
-        k_cl = jax.ShapeDtypeStruct((first_phase, *k_shape[1:]), kernel.dtype)
-        spec_strides, spec_dilation, context = (1, *strides_[1:]), dilation_, first_phase - 1
+        k_spec = jax.ShapeDtypeStruct(
+            tuple(first_phase if axis == layout.rhs[2] else n for axis, n in enumerate(kernel.shape)), kernel.dtype)
+        spec_strides, context = (1, *strides_[1:]), first_phase - 1
     else:
-        spec_strides, spec_dilation, context = strides_, dilation_, (window[0] - 1) * dilation_[0]
+        spec_strides, context = strides_, (window[0] - 1) * dilation_[0]
     try:
+        # The one ConvSpec of the call, in the caller's layout (its errors say how x and the
+        # kernel were read): dtypes, channels, groups, precision; every tap active.
         spec = make_spec(
-            x_cl, k_cl, np.ones(k_cl.shape[:-2], bool), strides=spec_strides, dilation=spec_dilation,
+            x, k_spec, None, strides=spec_strides, dilation=dilation_,
             padding=((context, 0), *pads), feature_group_count=feature_group_count, precision=precision,
-            preferred_element_type=acc, segmented=ids is not None,
+            dimension_numbers=dimension_numbers, segmented=ids is not None,
         )
     except (TypeError, ValueError) as e:
         raise err.reworded(e) from None
+    # Channels-last, and the output in the accumulation dtype: rounded once, after the bias.
+    acc = spec.acc_dtype
+    spec = dataclasses.replace(spec.channels_last(), out_dtype=acc)
     problem = Problem(
         batch=batch, frames=frames, spatial=tuple(spatial), c_in=c_in, c_out=c_out, window=window,
         strides=strides_, dilation=dilation_, pads=pads, padding_mode=padding_mode,

@@ -18,7 +18,7 @@ from ...masks import Mask, as_mask
 from .layout import Layout
 
 # as_operand, as_segment_ids and FLOAT_DTYPES are the shared normalisers', re-exported.
-__all__ = ["ConvSpec", "make_spec", "as_operand", "as_segment_ids", "dimension_numbers", "FLOAT_DTYPES"]
+__all__ = ["ConvSpec", "make_spec", "make_layout", "as_operand", "as_segment_ids", "dimension_numbers", "FLOAT_DTYPES"]
 
 _DIMENSION_NUMBERS = {
     1: ("NWC", "WIO", "NWC"),
@@ -160,7 +160,8 @@ def make_spec(
         )
     # lax's None for the dilations (and, here, the strides) is 1 in every dim.
     strides, dilation, lhs_dilation = (1 if v is None else v for v in (strides, dilation, lhs_dilation))
-    layout = _layout(x.shape, kernel.shape, dimension_numbers, lhs_dilation, batch_group_count, feature_group_count)
+    layout = make_layout(x.shape, kernel.shape, dimension_numbers, lhs_dilation=lhs_dilation,
+                         batch_group_count=batch_group_count, feature_group_count=feature_group_count)
     read_as = _read_as(tuple(x.shape), tuple(kernel.shape), layout, dimension_numbers)
     x = jax.ShapeDtypeStruct(layout.x_shape(x.shape), x_dtype)
     kernel = jax.ShapeDtypeStruct(layout.kernel_shape(kernel.shape), k_dtype)
@@ -171,7 +172,7 @@ def make_spec(
     groups = feature_group_count
     if not is_int(groups) or groups < 1:
         raise ValueError(f"feature_group_count must be a positive int, got {groups!r}")
-    groups *= layout.batch_groups  # folded into feature groups (layout.py), validated by _layout
+    groups *= layout.batch_groups  # folded into feature groups (layout.py), validated by make_layout
     c_in, c_out = int(x.shape[-1]), int(kernel.shape[-1])
     if c_in < 1 or c_out < 1:
         raise ValueError(
@@ -268,10 +269,13 @@ def _check_segmented(spec: ConvSpec) -> None:
         )
 
 
-def _layout(x_shape, kernel_shape, value, lhs_dilation, batch_group_count, feature_group_count) -> Layout:
-    """Validates lax's layout arguments (:mod:`.layout`) for operands of these shapes."""
+def make_layout(
+    x_shape, kernel_shape, dimension_numbers=None, *, lhs_dilation=1, batch_group_count: int = 1,
+    feature_group_count: int = 1,
+) -> Layout:
+    """Validates lax's layout arguments (:mod:`.layout`) for operands of these shapes (ranks checked)."""
     ndim = len(x_shape) - 2
-    lhs, rhs, out = _dimension_numbers(value, tuple(x_shape), tuple(kernel_shape))
+    lhs, rhs, out = _dimension_numbers(dimension_numbers, tuple(x_shape), tuple(kernel_shape))
     lhs_dilation = ints("lhs_dilation", lhs_dilation, ndim)
     g = batch_group_count
     if not is_int(g) or g < 1:
