@@ -33,9 +33,9 @@ from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 # XLA's Triton custom call, where Pallas' Triton lowering puts a kernel.
 TRITON_CALL = "__gpu$xla.gpu.triton"
 KERNEL_BACKENDS = {n: i for n, i in IMPLS.items() if i.implementation != "xla"}
-# The README's command: a dilated float16 case on every implementation, and on xla Mamba's
-# mixed dtypes (16-bit activations, float32 weights, segments and a state); the slow tier
-# the rest. The kernels take the grid's cases of 16 channels and more (several channel
+# The README's command: a dilated float16 case on every implementation, and Mamba's mixed
+# dtypes (16-bit activations, float32 weights, segments and a state) on all but the
+# interpreted kernels; the slow tier the rest. The kernels take the grid's cases of 16 channels and more (several channel
 # tiles); the 5-channel grid of widths, lengths, segments and states is xla's.
 FAST = [GRID[-1], GRID[-2]]
 ORACLE_CASES = [
