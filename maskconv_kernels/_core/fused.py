@@ -159,8 +159,7 @@ class FusedOp:
         """The ordered effect of an interpreter made of host callbacks, where one may lower the call."""
         if not call.interpret:
             return frozenset()
-        candidates = [call.backend] if call.backend is not None else [
-            self.registry.by_name[n] for n in self.registry.preference]
+        candidates = self.registry.candidates(call.backend)
         return prims.INTERPRETER_EFFECTS if any(b.interpreter == "effects" for b in candidates) else frozenset()
 
     # ----------------------------------------------------------------------- derivatives

@@ -1,8 +1,11 @@
-"""The target GPU: what the tile heuristics size their grids against, and what ahead-of-time
-lowering for ``cuda`` targets on a host without a GPU.
+"""The target hardware: what the tile heuristics size their grids and blocks against, and
+what ahead-of-time lowering targets on a host without the accelerator.
 
-The kernels are tuned for NVIDIA Hopper (H100 / H200). :func:`sm_count` reads the attached
-GPU, as jax's own Pallas ops do; the constants are the fallback for a host without one.
+GPU: the kernels are tuned for NVIDIA Hopper (H100 / H200). :func:`sm_count` reads the
+attached GPU, as jax's own Pallas ops do; the constants are the fallback for a host
+without one. TPU: :func:`tpu_info` is jax's own table (``pltpu.TpuInfo``: generation,
+VMEM, MXU columns and count, peak bfloat16 rate, HBM bandwidth) for the attached chip, or
+for the TPU v5e this project measures on (:data:`TPU_CHIP`) without one.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import jax
 
 __all__ = [
     "SM_COUNT", "COMPUTE_CAPABILITY", "DEVICE_KIND", "SMEM_BYTES", "TL_DOT_MIN_BLOCK", "sm_count", "gpu_target",
-    "jax_version", "attached_compute_capability",
+    "jax_version", "attached_compute_capability", "TPU_CHIP", "tpu_info",
 ]
 
 # Streaming multiprocessors of an H100 SXM / H200: the count when no GPU is attached to ask.
@@ -69,3 +72,21 @@ def gpu_target(device_kind: str = DEVICE_KIND, num_cores: int = SM_COUNT):
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=num_cores, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         yield
+
+
+# The TPU a lowering for tpu targets on a host without one: the chip this project measures on.
+TPU_CHIP = "v5e"
+
+
+@functools.lru_cache(maxsize=None)
+def tpu_info():
+    """The attached TPU's ``pltpu.TpuInfo`` (per TensorCore), or :data:`TPU_CHIP`'s without one."""
+    from jax.experimental.pallas import tpu as pltpu  # Pallas' TPU module, on first use only
+
+    try:
+        attached = bool(jax.devices("tpu"))
+    except RuntimeError:  # no TPU backend in this process
+        attached = False
+    if attached:
+        return pltpu.get_tpu_info()
+    return pltpu.get_tpu_info_for_chip(pltpu.ChipVersion(TPU_CHIP), 1)

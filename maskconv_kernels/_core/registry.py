@@ -1,12 +1,19 @@
-"""An op's implementations table: its records, its default order and its one error, in the op's words.
+"""An op's implementations table: its records, its preference per platform and its one error, in the op's words.
 
 An implementation is a module of the op's package (``ops/<op>/<name>``) that supplies
 
 * ``Config``: its frozen, validated config (``None`` means the module's heuristic);
 * ``unsupported(problem, platform, interpret) -> str | None``: why it cannot run
-  ``problem`` lowered for ``platform`` (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``;
+  ``problem`` (``platform``: the lowering platform, ``"cpu"``, ``"cuda"``, ``"rocm"``,
+  ``"tpu"``, for what only that platform's hardware decides, a compute capability say;
   ``None`` asks about the problem alone), ``None`` when it can;
 * the kernels the op calls (their names are the op's business).
+
+Which platforms an implementation lowers for is its record's (:attr:`Implementation.platforms`),
+checked here once for every module; ``interpret=True`` runs a kernel implementation in its
+interpreter on any platform. Which implementation ``implementation=None`` takes is the
+op's preference *for the platform it is lowered for*: a table per platform, so that a
+kernel is never chosen for a platform it was not written for (``interpret=True`` included).
 
 Modules are imported on first use, so an optional dependency (triton, jax-triton) is
 needed only by those who use its implementation.
@@ -15,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Sequence
+import types
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
+
+from .interpret import nothing_to_interpret
 
 __all__ = ["Implementation", "Registry", "lowering_platform", "NATIVE", "BATCH"]
 
@@ -33,6 +43,9 @@ class Implementation:
     Attributes:
       name: the ``implementation=`` string; it says the lowering.
       module: the module supplying ``Config``, ``unsupported`` and the kernels.
+      platforms: the lowering platforms its kernels compile for (``("cuda",)``,
+        ``("tpu",)``), or ``None`` for every platform (XLA operations). Elsewhere it runs
+        only with ``interpret=True``.
       spmd: ``NATIVE`` (XLA partitions it) or ``BATCH`` (batch-partitioned custom calls).
       interpreter: how its ``interpret=True`` mode runs: ``None`` (traced inline, as
         Pallas' Triton interpreter is), ``"callback"`` (a host callback:
@@ -51,6 +64,7 @@ class Implementation:
 
     name: str
     module: str
+    platforms: tuple[str, ...] | None = None
     spmd: str = BATCH
     interpreter: str | None = None
     lowering_warnings: tuple[str, ...] = ()
@@ -63,21 +77,41 @@ class Implementation:
     def config_class(self) -> type:
         return self.load().Config
 
+    def lowers_for(self, platform: str) -> bool:
+        """Whether its kernels compile for ``platform`` (a lowering platform; jax's ``"gpu"`` is cuda)."""
+        return self.platforms is None or _PLATFORM_NAMES.get(platform, platform) in self.platforms
+
     def unsupported(self, problem: Any, platform: str | None, interpret: bool = False) -> str | None:
         """Why it cannot run ``problem`` lowered for ``platform`` (``None``: asks about the problem alone)."""
         reason = None if self.requirements is None else self.requirements(self, problem)
+        if reason is None and platform is not None and not interpret and not self.lowers_for(platform):
+            reason = (
+                f'platform "{platform}": its kernels lower for {" and ".join(map(_words, self.platforms))} only '
+                "(pass interpret=True to run them in their interpreter on any platform, slowly)"
+            )
         return reason if reason is not None else self.load().unsupported(problem, platform, interpret)
 
 
+# jax's name for a platform -> the lowering platform the records name.
+_PLATFORM_NAMES = {"gpu": "cuda"}
+
+
+def _words(platform: str) -> str:
+    return {"cuda": "NVIDIA GPUs (cuda)", "rocm": "AMD GPUs (rocm)", "tpu": "TPUs (tpu)"}.get(platform, platform)
+
+
 class Registry:
-    """An op's implementations, tried in ``preference`` order by ``implementation=None``.
+    """An op's implementations and, per lowering platform, the order ``implementation=None`` tries them in.
 
     ``op`` names the op in every error (``"causal_conv1d"``), so a user reads the words of
-    the function they called.
+    the function they called. ``preference``: ``{platform: names}`` for the lowering
+    platforms (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``), each name one that lowers
+    for its platform; a platform it does not name (a plugin's) tries the implementations
+    that lower everywhere, in the order given.
     """
 
     def __init__(
-        self, op: str, implementations: Sequence[Implementation], preference: Sequence[str],
+        self, op: str, implementations: Sequence[Implementation], preference: Mapping[str, Sequence[str]],
         requirements: Callable[[Implementation, Any], str | None] | None = None,
     ):
         """``requirements(implementation, problem)``: why the op's own needs (segment ids,
@@ -85,11 +119,19 @@ class Registry:
         self.op = op
         self.by_name = {i.name: dataclasses.replace(i, requirements=requirements) for i in implementations}
         self.names = tuple(self.by_name)
-        self.preference = tuple(preference)
-        assert set(self.preference) <= set(self.names), (self.preference, self.names)
+        self.preference = types.MappingProxyType({p: tuple(names) for p, names in preference.items()})
+        for platform, names in self.preference.items():
+            assert all(n in self.by_name and self.by_name[n].lowers_for(platform) for n in names), (platform, names)
 
     def __iter__(self):
         return iter(self.by_name.values())
+
+    def preference_for(self, platform: str) -> tuple[str, ...]:
+        """The names ``implementation=None`` tries, in order, lowered for ``platform``."""
+        platform = _PLATFORM_NAMES.get(platform, platform)
+        if platform in self.preference:
+            return self.preference[platform]
+        return tuple(n for n, i in self.by_name.items() if i.platforms is None)
 
     def get(self, name: str, op: str | None = None) -> Implementation:
         try:
@@ -97,6 +139,26 @@ class Registry:
         except (KeyError, TypeError):
             raise ValueError(f"{op or self.op}: implementation must be None or one of {self.names}, got {name!r}") \
                 from None
+
+    def resolve(self, problem: Any, implementation: str | None, interpret, config, op: str | None = None):
+        """What a call asked for, checked: ``(record or None, interpret)``, in the words of ``op``
+        (the public function called; default the registry's op).
+
+        ``implementation=None`` is chosen per platform when lowered (``None`` returned) and
+        takes no ``config``. A named implementation must take ``problem`` and ``config``
+        (the platform is asked when lowered). ``interpret=True`` where every implementation
+        the call can run is ``"xla"`` is void: a ``UserWarning`` says so, and ``False`` is
+        returned.
+        """
+        op = op or self.op
+        if not isinstance(interpret, bool):
+            raise TypeError(f"{op}: interpret must be True or False, got {interpret!r}")
+        backend = None
+        if implementation is not None:
+            backend = self.check(implementation, problem, interpret, config, op=op)
+        elif config is not None:
+            raise ValueError(f"{op}: config= is the config of one implementation: name it with implementation=")
+        return backend, interpret and not nothing_to_interpret(op, self, implementation, interpret)
 
     def check(self, name: str, problem: Any, interpret: bool, config: Any, op: str | None = None) -> Implementation:
         """The named implementation, if it takes ``problem`` and ``config`` (the platform is asked when lowered).
@@ -118,14 +180,22 @@ class Registry:
         return implementation
 
     def choose(self, problem: Any, platform: str, interpret: bool = False) -> Implementation:
-        """The first implementation of ``preference`` that runs ``problem`` lowered for ``platform``."""
+        """The first implementation of the platform's preference that runs ``problem`` there
+        (``interpret=True``: in its interpreter; it never brings in another platform's kernels)."""
         reasons = []
-        for name in self.preference:
+        for name in self.preference_for(platform):
             reason = self.by_name[name].unsupported(problem, platform, interpret)
             if reason is None:
                 return self.by_name[name]
             reasons.append(f"{name}: {reason}")
         raise NotImplementedError(f"{self.op}: no implementation runs this problem on {platform}: " + "; ".join(reasons))
+
+    def candidates(self, backend: Implementation | None) -> list[Implementation]:
+        """The implementations a call may lower with: the named one, or every preferred one, on any platform."""
+        if backend is not None:
+            return [backend]
+        names = dict.fromkeys(n for names in self.preference.values() for n in names)
+        return [self.by_name[n] for n in names]
 
     def unavailable(self, name: str, platform: str, reason: str) -> NotImplementedError:
         """The error for an implementation named by the caller that cannot be lowered for ``platform``."""

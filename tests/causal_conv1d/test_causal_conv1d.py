@@ -179,10 +179,10 @@ def test_lowered_for_cuda_it_is_elementwise_no_convolution_and_no_dot(segmented)
 
 def test_implementation_none_is_chosen_per_platform_when_lowered(monkeypatch):
     """``implementation=None`` binds the op's primitives with no backend: each lowering takes the
-    first of ``PREFERENCE`` that runs the problem on its platform. With the fused kernels first,
-    one export for ``("cpu", "cuda")`` holds them in its cuda branch and xla's maps in its cpu
-    branch, and runs here as ``implementation="xla"`` does."""
-    monkeypatch.setattr(backends.REGISTRY, "preference", ("pallas_triton", "xla"))
+    first of its platform's ``PREFERENCE`` that runs the problem there. With the fused kernels
+    first on cuda, one export for ``("cpu", "cuda")`` holds them in its cuda branch and xla's
+    maps in its cpu branch, and runs here as ``implementation="xla"`` does."""
+    monkeypatch.setattr(backends.REGISTRY, "preference", {**backends.PREFERENCE, "cuda": ("pallas_triton", "xla")})
     x, w, b, state, _ = inputs(30, 2, 64, 32, 4, F32, F32)
     doc = ids(31, 2, 64)
 

@@ -27,7 +27,8 @@ def _assert_matches_reference(y, x, k):
 
 def test_every_record_names_its_lowering_module_and_frozen_config():
     assert set(backends.IMPLEMENTATIONS) == {"xla", "pallas_triton", "triton", "pallas_mosaic_gpu"}
-    assert backends.PREFERENCE[-1] == "xla"  # supports everything: the fallback
+    for platform in ("cpu", "cuda", "rocm", "tpu"):
+        assert backends.PREFERENCE[platform][-1] == "xla", platform  # supports everything: the fallback
     for record in backends.BACKENDS.values():
         cls = record.config_class()
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, record.name

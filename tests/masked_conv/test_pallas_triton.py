@@ -17,7 +17,7 @@ from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.ops.masked_conv import implementation_for, maps, pallas_triton
+from maskconv_kernels.ops.masked_conv import backends, implementation_for, maps, pallas_triton
 from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
 from maskconv_kernels.ops.masked_conv.pallas_triton import Config
 from maskconv_kernels.ops.masked_conv.pallas_triton.config import KERNELS
@@ -226,14 +226,17 @@ def test_unsupported_problems_raise_naming_why_and_none_falls_back_to_xla(x_shap
 def test_needs_a_gpu_or_interpret_mode():
     x, k, mask = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
     spec = make_spec(x, k, mask)
-    assert "interpret=True" in pallas_triton.unsupported(spec, "cpu", interpret=False)
-    assert pallas_triton.unsupported(spec, "cpu", interpret=True) is None
-    assert pallas_triton.unsupported(spec, "cuda", interpret=False) is None
-    assert "ROCm" in pallas_triton.unsupported(spec, "rocm", interpret=False)
-    # implementation=None: Pallas where it runs, xla elsewhere.
+    record = backends.get("pallas_triton")
+    assert "interpret=True" in record.unsupported(spec, "cpu", interpret=False)
+    assert record.unsupported(spec, "cpu", interpret=True) is None
+    assert record.unsupported(spec, "cuda", interpret=False) is None
+    assert "lower for NVIDIA GPUs (cuda) only" in record.unsupported(spec, "rocm", interpret=False)
+    # implementation=None: Pallas where it runs, xla elsewhere; interpret=True never brings
+    # a GPU kernel to another platform.
     assert implementation_for(spec, platform="cpu") == "xla"
     assert implementation_for(spec, platform="cuda") == "pallas_triton"
-    assert implementation_for(spec, platform="cpu", interpret=True) == "pallas_triton"
+    assert implementation_for(spec, platform="cpu", interpret=True) == "xla"
+    assert implementation_for(spec, platform="tpu", interpret=True) == "xla"
     # Named, it traces anywhere and refuses only when lowered for a platform it cannot run on.
     f = jax.jit(lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton"))
     with pytest.raises(NotImplementedError, match='lowered for platform "cpu".*interpret=True'):

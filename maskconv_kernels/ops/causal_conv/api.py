@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..._core.errors import OpError
-from .._interpret import nothing_to_interpret
 from ..masked_conv.api import run
 from . import phases
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
@@ -95,18 +93,7 @@ class TimeConv:
 
 def time_conv(op: str, problem: Problem, implementation, interpret, config, *, stride: int, dilation: int) -> TimeConv:
     """The problem's convolution with its implementation checked, the error in ``op``'s words."""
-    err = OpError(op)
-    if not isinstance(interpret, bool):
-        raise err.type(f"interpret must be True or False, got {interpret!r}")
-    backend = None
-    if implementation is None:
-        if config is not None:
-            raise err.value("config= is the config of one implementation: name it with implementation=")
-    else:
-        # The problem alone here; the platform when the function is lowered. The
-        # registry's errors say "causal_conv(implementation=...)": the op's own words.
-        backend = REGISTRY.check(implementation, problem.spec, interpret, config, op=op)
-    interpret = interpret and not nothing_to_interpret(op, REGISTRY, implementation, interpret)
+    backend, interpret = REGISTRY.resolve(problem.spec, implementation, interpret, config, op=op)
     return TimeConv(problem, stride, dilation, backend, interpret, config)
 
 

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from ..._core.errors import OpError
 from ..._core.fused import FusedOp
-from .._interpret import nothing_to_interpret
 from . import xla
 from .backends import IMPLEMENTATIONS, PREFERENCE, REGISTRY
 from .checks import OP, make_problem
@@ -104,16 +103,7 @@ def causal_conv1d(
 def forward(err: OpError, problem, x, weight, bias, ids, initial_state, *, implementation, interpret, config):
     """``y`` of a checked problem by the implementation asked for, with errors in ``err``'s words
     (:func:`~.update.causal_conv1d_update`, which checks its own arguments, calls it too)."""
-    if not isinstance(interpret, bool):
-        raise err.type(f"interpret must be True or False, got {interpret!r}")
-    backend = None  # chosen per platform when lowered
-    if implementation is None:
-        if config is not None:
-            raise err.value("config= is the config of one implementation: name it with implementation=")
-    else:
-        backend = REGISTRY.check(implementation, problem, interpret, config, op=err.op)
-    # implementation="xla", or None (which runs "xla" for this op): nothing to interpret.
-    interpret = interpret and not nothing_to_interpret(err.op, REGISTRY, implementation, interpret)
+    backend, interpret = REGISTRY.resolve(problem, implementation, interpret, config, op=err.op)
     if 0 in x.shape:
         return jnp.zeros(x.shape, x.dtype)  # every output an empty sum, or none
     given = (("bias", bias), ("ids", ids), ("state", initial_state if problem.has_state else None))

@@ -7,9 +7,10 @@
 * ``"pallas_mosaic_gpu"``: :mod:`.pallas_mosaic_gpu`, Pallas kernels lowered through
   Mosaic GPU (Hopper GPUs, or any platform with ``interpret=True``; jax >= 0.11).
 
-``implementation=None`` takes, when lowered for a platform, the first of :data:`PREFERENCE`
-that runs the problem there: ``"xla"`` everywhere, because on an H200 XLA's fusion of the
-shift-and-add beat the fused kernels by 1.3x to 2x (docs/performance.md#h200). An
+``implementation=None`` takes, when lowered for a platform, the first of that platform's
+:data:`PREFERENCE` that runs the problem there: ``"xla"`` everywhere, because on an H200
+XLA's fusion of the shift-and-add beat the fused kernels by 1.3x to 2x
+(docs/performance.md#h200). An
 implementation module supplies ``Config``, ``unsupported(problem, platform, interpret)``,
 ``forward`` and ``backward`` (:mod:`maskconv_kernels._core.fused`), which the op's
 primitives lower.
@@ -27,11 +28,12 @@ REGISTRY = Registry(
     "causal_conv1d",
     (
         Implementation("xla", f"{_PACKAGE}.xla", spmd=NATIVE),
-        Implementation("pallas_triton", f"{_PACKAGE}.pallas_triton", spmd=BATCH,
+        Implementation("pallas_triton", f"{_PACKAGE}.pallas_triton", platforms=("cuda",), spmd=BATCH,
                        lowering_warnings=(PALLAS_TRITON_DEPRECATION,)),
-        Implementation("pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", spmd=BATCH, interpreter="effects"),
+        Implementation("pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", platforms=("cuda",), spmd=BATCH,
+                       interpreter="effects"),
     ),
-    ("xla",),
+    {"cpu": ("xla",), "cuda": ("xla",), "rocm": ("xla",), "tpu": ("xla",)},
 )
 IMPLEMENTATIONS = REGISTRY.names
 PREFERENCE = REGISTRY.preference

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from ..._core.args import as_operand, as_segment_ids
 from ..._core.errors import OpError
 from ..._moved import warn
-from .._interpret import nothing_to_interpret
 from . import backends as _backends
 from . import maps
 from .backends import IMPLEMENTATIONS, PREFERENCE
@@ -31,7 +30,9 @@ _RENAMED = {"pallas": "pallas_triton"}
 def implementation_for(spec, platform: str | None = None, interpret: bool = False) -> str:
     """The backend ``implementation=None`` lowers ``spec`` with for ``platform`` (default: jax's).
 
-    ``platform``: a lowering platform (``"cpu"``, ``"cuda"``, ...) or jax's ``"gpu"``.
+    ``platform``: a lowering platform (``"cpu"``, ``"cuda"``, ``"tpu"``, ...) or jax's
+    ``"gpu"``. The choice is among that platform's :data:`PREFERENCE`; ``interpret=True``
+    runs it in its interpreter and never brings in another platform's kernels.
     """
     return _backends.choose(spec, _backends.lowering_platform(platform), interpret).name
 
@@ -140,8 +141,6 @@ def masked_conv(
         lowered; e.g. a GPU backend lowered for CPU without ``interpret=True``).
     """
     with OP.words():
-        if not isinstance(interpret, bool):
-            raise TypeError(f"interpret must be True or False, got {interpret!r}")
         strides = _one_spelling("strides", strides, "window_strides", window_strides)
         dilation = _one_spelling("dilation", dilation, "rhs_dilation", rhs_dilation)
         x, kernel = as_operand("x", x), as_operand("kernel", kernel)
@@ -154,16 +153,11 @@ def masked_conv(
         layout = spec.layout
         if segment_ids is not None:
             segment_ids = layout.segment_ids(as_segment_ids(segment_ids, layout.segment_ids_shape(x.shape)))
-    backend = None
-    if implementation is not None:
-        if implementation in _RENAMED:
-            warn(f'implementation="{implementation}"', f'implementation="{_RENAMED[implementation]}"', stacklevel=2)
-            implementation = _RENAMED[implementation]
-        # The problem alone here; the platform when the function is lowered.
-        backend = _backends.REGISTRY.check(implementation, spec, interpret, config)
-    elif config is not None:
-        raise OP.value("config= is the config of one backend: name it with implementation=")
-    interpret = interpret and not nothing_to_interpret("masked_conv", _backends.REGISTRY, implementation, interpret)
+    if implementation in _RENAMED:
+        warn(f'implementation="{implementation}"', f'implementation="{_RENAMED[implementation]}"', stacklevel=2)
+        implementation = _RENAMED[implementation]
+    # The problem alone here; the platform when the function is lowered.
+    backend, interpret = _backends.REGISTRY.resolve(spec, implementation, interpret, config)
     y = run(spec.channels_last(), layout.x(x), layout.kernel(kernel), backend=backend, interpret=interpret,
             config=config, segment_ids=segment_ids)
     return layout.output(y)

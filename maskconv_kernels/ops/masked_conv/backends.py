@@ -27,6 +27,7 @@ __all__ = [
 
 _PACKAGE = __name__.rpartition(".")[0]
 _KERNELS = frozenset({"kernel_problem"})
+_CUDA = ("cuda",)
 
 
 def _requirements(backend: Implementation, spec: ConvSpec) -> str | None:
@@ -47,18 +48,21 @@ REGISTRY = Registry(
         # Pallas kernels lowered through Triton (jax.experimental.pallas.triton); since jax
         # 0.11 that lowering warns it is deprecated (the "triton" backend is the way on).
         Implementation(
-            "pallas_triton", f"{_PACKAGE}.pallas_triton", lowering_warnings=(PALLAS_TRITON_DEPRECATION,), traits=_KERNELS,
+            "pallas_triton", f"{_PACKAGE}.pallas_triton", platforms=_CUDA, lowering_warnings=(PALLAS_TRITON_DEPRECATION,),
+            traits=_KERNELS,
         ),
         # triton.jit kernels launched through jax-triton; interpreted in a worker process.
-        Implementation("triton", f"{_PACKAGE}.triton", interpreter="callback", traits=_KERNELS),
+        Implementation("triton", f"{_PACKAGE}.triton", platforms=_CUDA, interpreter="callback", traits=_KERNELS),
         # Pallas kernels lowered through Mosaic GPU (plgpu.kernel, TMA, wgmma), for Hopper.
-        Implementation("pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", interpreter="effects", traits=_KERNELS),
+        Implementation(
+            "pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", platforms=_CUDA, interpreter="effects", traits=_KERNELS,
+        ),
     ),
     # Tried in order by implementation=None, per lowering platform; "xla" runs everything.
     # pallas_triton first on NVIDIA GPUs: on an H200 its kernels (per-kernel default
     # tiles) beat pallas_mosaic_gpu's at both headline shapes, and Mosaic GPU takes a
-    # subset of its problems (docs/performance.md#h200); pallas_mosaic_gpu is named only.
-    ("pallas_triton", "pallas_mosaic_gpu", "xla"),
+    # subset of its problems (docs/performance.md#h200). ROCm: no kernel is tested there.
+    {"cpu": ("xla",), "cuda": ("pallas_triton", "pallas_mosaic_gpu", "xla"), "rocm": ("xla",), "tpu": ("xla",)},
     _requirements,
 )
 BACKENDS = REGISTRY.by_name

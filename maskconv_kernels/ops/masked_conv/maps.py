@@ -22,8 +22,8 @@ these maps, which never read a masked tap, so a tangent (even NaN) of an input r
 only through masked taps changes no output tangent.
 
 The backend is chosen when a primitive is **lowered**, per platform: with
-``implementation=None`` the lowering for each platform takes the first backend of
-:data:`~.backends.PREFERENCE` that supports the problem there, so one
+``implementation=None`` the lowering for each platform takes the first backend of that
+platform's :data:`~.backends.PREFERENCE` that supports the problem there, so one
 ``jax.export(..., platforms=("cpu", "cuda"))`` holds the ``xla`` path for CPU and the GPU
 kernels for cuda; a named backend lowers for any platform it can run on and raises
 ``NotImplementedError`` (with the ``interpret=True`` hint) for one it cannot. Each
@@ -190,7 +190,7 @@ def _effects(call: Call, out_dtype) -> frozenset:
     """The ordered effect of an interpreter made of host callbacks, when one may lower this call."""
     if not call.interpret:
         return frozenset()
-    candidates = [call.backend] if call.backend is not None else [_backends.BACKENDS[n] for n in _backends.PREFERENCE]
+    candidates = _backends.REGISTRY.candidates(call.backend)
     return prims.INTERPRETER_EFFECTS if any(b.interpreter == "effects" for b in candidates) else frozenset()
 
 

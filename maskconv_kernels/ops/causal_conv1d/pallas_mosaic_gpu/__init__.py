@@ -37,7 +37,8 @@ _INT32_LIMIT = 2**31
 def unsupported(problem: Problem, platform: str | None, interpret: bool = False) -> str | None:
     """Why the Mosaic GPU kernels cannot run ``problem`` lowered for ``platform`` (``None`` when they can).
 
-    ``platform``: a lowering platform (``"cuda"``), or ``None`` to ask about the problem alone.
+    ``platform``: the lowering platform (the record says they lower for cuda, or anywhere
+    interpreted), or ``None`` to ask about the problem alone; lowered, the GPU must be a Hopper.
     """
     if jax_version() < _MIN_JAX:
         return (
@@ -52,11 +53,6 @@ def unsupported(problem: Problem, platform: str | None, interpret: bool = False)
         return f"{problem.batch} x {problem.length} x {problem.dim} elements do not fit an int32 index; split the batch"
     if interpret or platform is None:
         return None
-    if platform not in ("cuda", "gpu"):
-        return (
-            f'platform "{platform}": the kernels lower through Mosaic GPU for NVIDIA Hopper (pass interpret=True '
-            "to run them in Mosaic GPU's interpreter, or use implementation='xla')"
-        )
     capability = attached_compute_capability()
     if capability is not None and capability < _HOPPER:
         return f"compute capability {capability[0]}.{capability[1]}: Mosaic GPU targets Hopper (sm_90) and later"

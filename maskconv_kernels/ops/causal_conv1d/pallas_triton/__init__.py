@@ -24,19 +24,11 @@ __getattr__ = renamed_attributes(__name__, {"BlockSizes": "Config"})
 
 
 def unsupported(problem: Problem, platform: str | None, interpret: bool = False) -> str | None:
-    """Why the fused kernels cannot run ``problem`` lowered for ``platform`` (``None`` when they can)."""
+    """Why the fused kernels cannot run ``problem`` (``None`` when they can); the record says they
+    lower for cuda (or anywhere interpreted)."""
     for name, dtype in problem.dtypes.items():
         if np.dtype(dtype) not in DTYPES:
             return f"{name} in {dtype}: its kernels take float32, bfloat16 and float16 (implementation='xla' takes it)"
-    if interpret or platform is None:
-        return None
-    if platform == "rocm":
-        return "ROCm GPUs: its kernels are tuned and tested for NVIDIA GPUs only (use implementation='xla')"
-    if platform not in ("cuda", "gpu"):
-        return (
-            "its kernels lower through Triton for NVIDIA GPUs (pass interpret=True to run them in the Pallas "
-            "interpreter, or use implementation='xla')"
-        )
     return None
 
 

@@ -27,7 +27,8 @@ _HOPPER = (9, 0)
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
     """Why the Mosaic GPU kernels cannot run ``spec`` lowered for ``platform`` (``None`` when they can).
 
-    ``platform``: a lowering platform (``"cuda"``), or ``None`` to ask about the problem alone.
+    ``platform``: the lowering platform (the record says they lower for cuda, or anywhere
+    interpreted), or ``None`` to ask about the problem alone; lowered, the GPU must be a Hopper.
     """
     if jax_version() < _MIN_JAX:
         return (
@@ -48,11 +49,6 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
         return f"strides={spec.strides} (the kernels' shifted GEMMs are stride 1)"
     if interpret or platform is None:
         return None
-    if platform not in ("cuda", "gpu"):
-        return (
-            f'platform "{platform}": the kernels lower through Mosaic GPU for NVIDIA Hopper '
-            "(pass interpret=True to run them in Mosaic GPU's interpreter)"
-        )
     capability = attached_compute_capability()
     if capability is not None and capability != _HOPPER:
         return f"compute capability {capability[0]}.{capability[1]}: the kernels use Hopper's wgmma (sm_90a)"

@@ -21,26 +21,14 @@ _INT32_LIMIT = 2**31
 
 
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
-    """Why the Pallas kernels cannot run ``spec`` lowered for ``platform`` (``None`` when they can).
-
-    ``platform``: a lowering platform (``"cuda"``; jax's ``"gpu"`` is taken as cuda), or
-    ``None`` to ask about the problem alone.
-    """
+    """Why the Pallas kernels cannot run ``spec`` (``None`` when they can); the record says they
+    lower for cuda (or anywhere interpreted)."""
     if spec.ndim == 3:
         return "3-D convolutions (the Pallas kernels are 1-D and 2-D; implementation=None uses xla)"
     if spec.groups > 1:
         return f"feature_group_count={spec.groups} (grouped convolutions; implementation=None uses xla)"
     if np.dtype(spec.acc_dtype) != np.float32:
         return f"{spec.acc_dtype} inputs (the kernels take float32, bfloat16 and float16)"
-    if interpret or platform is None:
-        return None
-    if platform == "rocm":
-        return "ROCm GPUs (the kernels are tuned and tested for NVIDIA GPUs only)"
-    if platform not in ("cuda", "gpu"):
-        return (
-            f'platform "{platform}": the kernels lower through Triton for NVIDIA GPUs '
-            "(pass interpret=True to run them on this platform in interpret mode)"
-        )
     return None
 
 

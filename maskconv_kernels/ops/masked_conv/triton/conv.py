@@ -26,8 +26,8 @@ def _missing_dependency(interpret: bool) -> str | None:
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
     """Why the Triton kernels cannot run ``spec`` lowered for ``platform`` (``None`` when they can).
 
-    ``platform``: a lowering platform (``"cuda"``; jax's ``"gpu"`` is taken as cuda), or
-    ``None`` to ask about the problem alone.
+    ``platform``: the lowering platform (the record says they lower for cuda, or anywhere
+    interpreted), or ``None`` to ask about the problem alone; lowered, jax-triton must import.
     """
     if spec.ndim not in (1, 2):
         return f"{spec.ndim}-D convolutions (the Triton kernels cover 1-D and 2-D; use implementation='xla')"
@@ -41,11 +41,6 @@ def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -
         )
     if np.dtype(spec.acc_dtype) != np.float32:
         return f"{spec.acc_dtype} accumulation (float64 inputs); the Triton kernels take float32, bfloat16 or float16"
-    if not interpret and platform is not None and platform not in ("gpu", "cuda"):
-        return (
-            f"platform {platform!r} (the Triton kernels run on NVIDIA GPUs only; interpret=True runs them "
-            "in Triton's interpreter on any host, slowly)"
-        )
     missing = _missing_dependency(interpret)
     if missing is None and not interpret and platform is not None:
         return _jax_triton_import_error()

@@ -8,8 +8,9 @@ to exercise a kernel on CPU (``causal_conv1d``'s ``implementation=None`` always 
 ``xla``) would exercise none and pass. So every op that takes ``interpret`` warns when
 every implementation its call can run is ``xla``, and then runs it with
 ``interpret=False``. ``implementation=None`` in ``masked_conv`` and ``causal_conv`` is
-not warned about: there ``interpret=True`` lets the kernel implementations lower on any
-platform, and ``xla`` runs only where none of them supports the problem.
+not warned about: a platform's preference there holds kernel implementations, which
+``interpret=True`` runs in their interpreter where the function is lowered for it.
+Called by :meth:`~maskconv_kernels._core.registry.Registry.resolve`.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def nothing_to_interpret(op: str, registry, implementation: str | None, interpre
     """
     if not interpret:
         return False
-    runs = (implementation,) if implementation is not None else tuple(registry.preference)
+    runs = (implementation,) if implementation is not None else [n for names in registry.preference.values() for n in names]
     if any(name != XLA for name in runs):
         return False
     kernels = ", ".join(f'"{name}"' for name in registry.names if name != XLA)
