@@ -63,6 +63,10 @@ PRESETS = {
     "gpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=15, min_sample_s=0.002, warmup=2, max_input_sets=4,
                    peak_n=0),
             CAUSAL_SHAPES),
+    # A TPU: every layer at the real sizes, as the GPU's.
+    "tpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=15, min_sample_s=0.002, warmup=2, max_input_sets=4,
+                   peak_n=0),
+            CAUSAL_SHAPES),
     # A smoke test (CI, tests): two tiny layers, both padding modes, both strides.
     "quick": (Preset(False, ("float32",), MODES, samples=2, min_sample_s=0.0, warmup=1, max_input_sets=1, peak_n=0),
               (_tiny("tiny_video_3x3x3_C8_T5_6x6_replicate", 5, (6, 6), 8, 8, (3, 3, 3), 1, "replicate", 2),

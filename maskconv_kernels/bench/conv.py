@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import leaks
-from ..ops.masked_conv import backends, masked_conv
+from ..ops.masked_conv import backends, masked_conv, xla
 from ..ops.masked_conv.reference import leaky_masked_conv
 from ..ops.masked_conv.spec import make_spec
 from .chart import chart, draw
@@ -63,6 +63,10 @@ PRESETS = {
     # The full grid at device-filling batch sizes.
     "gpu": Preset(True, ("bfloat16", "float32", "float16"), MODES, samples=25, min_sample_s=0.002,
                   warmup=3, max_input_sets=8, peak_n=8192),
+    # A TPU: device-filling batches, bfloat16 and float32 (the MXU's dtypes; float16 is
+    # computed in float32 there).
+    "tpu": Preset(True, ("bfloat16", "float32"), MODES, samples=15, min_sample_s=0.002, warmup=3,
+                  max_input_sets=8, peak_n=8192),
     # Smoke test: two shapes, one dtype, few samples.
     "quick": Preset(False, ("float32",), MODES, samples=3, min_sample_s=0.0, warmup=1, max_input_sets=1,
                     peak_n=256, shapes=("pixelcnn_7x7A_C1-64_28x28", "wavenet_k3masked_d8_C128-256_L16k")),
@@ -75,7 +79,17 @@ PRESETS = {
 def _conv(impl: str, shape: BenchShape):
     if impl == BASELINE:
         return lambda x, k: leaky_masked_conv(x, k, shape.mask, **shape.conv_args)
-    return lambda x, k: masked_conv(x, k, shape.mask, implementation=impl, **shape.conv_args)
+    name, config = implementation_config(impl)
+    return lambda x, k: masked_conv(x, k, shape.mask, implementation=name, config=config, **shape.conv_args)
+
+
+def implementation_config(impl: str):
+    """``(implementation, config)`` of a timed entry: ``"xla[conv]"`` is ``"xla"`` under
+    ``Config("conv")`` (``--xla-strategies``); a plain name its default config."""
+    if not impl.endswith("]"):
+        return impl, None
+    name, strategy = impl[:-1].split("[")
+    return name, backends.get(name).config_class()(strategy)
 
 
 def mode_fn(impl: str, shape: BenchShape, mode: str):
@@ -191,11 +205,12 @@ def cells(preset: Preset, shape_filter: str | None):
 
 
 def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta: dict, peaks: dict,
-             platform_name: str, only: list[str] | None) -> list[dict]:
+             platform_name: str, only: list[str] | None, strategies=()) -> list[dict]:
     """One cell (shape, dtype, mode): a row per implementation, the baseline's first.
 
     ``peaks`` maps dtype names to the matmul FLOP/s measured in this run; ``only``
-    narrows ``masked_conv``'s implementations (the baseline always runs).
+    narrows ``masked_conv``'s implementations (the baseline always runs); ``strategies``
+    adds ``xla`` under each of those strategies (``"xla[conv]"``, ...).
     """
     dtype = DTYPES[dtype_name]
     batch = shape.batch if preset.full_batch else shape.small_batch
@@ -208,6 +223,8 @@ def run_cell(shape: BenchShape, dtype_name: str, mode: str, preset: Preset, meta
             _TOLD.add((name, why))
             print(f"\n  {name} not run ({shape.name} {dtype_name} and any alike): {why}", file=sys.stderr, flush=True)
     impls = [BASELINE] + [i for i in ours if only is None or i in only]
+    if "xla" in ours:
+        impls += [f"xla[{s}]" for s in strategies]
     set_bytes = sum(math.prod(s) * np.dtype(dtype).itemsize
                     for s in (x_struct.shape, k_struct.shape, (batch, *spec.out_spatial, shape.c_out)))
     argsets = _inputs(shape, batch, dtype, spec,
@@ -394,6 +411,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--implementations", nargs="+", metavar="NAME", choices=list(backends.IMPLEMENTATIONS),
                         help=f"masked_conv implementations to time, of {list(backends.IMPLEMENTATIONS)} (default: "
                         "every one that runs compiled here; the baseline always runs)")
+    parser.add_argument("--xla-strategies", nargs="+", metavar="STRATEGY", default=(),
+                        choices=[s for s in xla.STRATEGIES if s != "auto"],
+                        help="also time the xla implementation under each of these strategies, as "
+                        "xla[STRATEGY] (xla.Config(STRATEGY)): what each map would cost were it the default")
 
 
 def run(args) -> int:
@@ -404,7 +425,7 @@ def run(args) -> int:
                   f"{s.active_taps} of {int(np.prod(s.window))} taps active, N={s.batch} (gpu) / {s.small_batch} (cpu)")
         return 0
     platform_name = jax.default_backend()
-    name = preset_name(args, platform_name)
+    name = preset_name(args, platform_name, PRESETS)
     preset = overridden(PRESETS[name], args)
     out = args.prefix
     meta = metadata(name, args.command)
@@ -429,7 +450,8 @@ def run(args) -> int:
         for shape, dtype, mode in within_budget(bar, args.time_budget, start):
             if hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(f"{shape.name} {dtype} {mode}")
-            for row in run_cell(shape, dtype, mode, preset, meta, peaks, platform_name, args.implementations):
+            for row in run_cell(shape, dtype, mode, preset, meta, peaks, platform_name, args.implementations,
+                                args.xla_strategies):
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
             f.flush()

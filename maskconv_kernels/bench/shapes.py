@@ -103,6 +103,7 @@ SHAPES: tuple[BenchShape, ...] = (
     _pixelcnn("pixelcnn_3x3B_C128_64x64", 64, 128, 128, (3, 3), "B", batch=32, small_batch=1),
     _pixelcnn("pixelcnn++_5x5B_C160_32x32", 32, 160, 160, (5, 5), "B", batch=64, small_batch=1),
     _pixelcnn("pixelcnn_5x5B_C64_28x28", 28, 64, 64, (5, 5), "B", batch=256, small_batch=4),
+    _pixelcnn("pixelcnn_5x5B_C256_32x32", 32, 256, 256, (5, 5), "B", batch=64, small_batch=1),
     # Gated PixelCNN stacks (2p output channels feed the gate).
     BenchShape(
         "gated_vstack_5x5_C128-256_32x32", "gated", (32, 32), 128, 256, mk.vertical_stack_mask((5, 5)),

@@ -44,7 +44,8 @@ class Preset:
 def add_grid_arguments(parser, presets, preset_help: str, shapes_help: str, modes) -> None:
     """The options of a benchmark that sweeps shapes x dtypes x modes under a preset."""
     parser.add_argument("--preset", choices=["auto", *presets], default="auto",
-                        help=f"{preset_help}; auto (default): gpu on a GPU, cpu elsewhere")
+                        help=f"{preset_help}; auto (default): the platform's preset (tpu on a TPU, gpu on a GPU), "
+                        "cpu elsewhere")
     parser.add_argument("--quick", action="store_true", help="same as --preset quick")
     parser.add_argument("--shapes", help=shapes_help)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES))
@@ -53,14 +54,17 @@ def add_grid_arguments(parser, presets, preset_help: str, shapes_help: str, mode
                         help="stop starting new cells after S seconds (the most important cells run first)")
 
 
-def preset_name(args, platform_name: str) -> str:
-    """The preset ``args`` ask for: ``--quick``, ``--preset``, or by the platform (``auto``)."""
+def preset_name(args, platform_name: str, presets=()) -> str:
+    """The preset ``args`` ask for: ``--quick``, ``--preset``, or by the platform (``auto``: the
+    platform's own preset where ``presets`` has one, ``tpu`` say; else gpu on a GPU, cpu elsewhere)."""
     if getattr(args, "quick", False):
         return "quick"
     preset = getattr(args, "preset", None)
     if preset is None:
         return "full"
-    return preset if preset != "auto" else ("gpu" if platform_name == "gpu" else "cpu")
+    if preset != "auto":
+        return preset
+    return platform_name if platform_name in presets else ("gpu" if platform_name == "gpu" else "cpu")
 
 
 def overridden(preset: Preset, args) -> Preset:
@@ -85,7 +89,7 @@ def within_budget(grid, budget: float | None, start: float):
 def select(args, presets: dict, platform_name: str) -> tuple[str, Preset, list]:
     """The preset ``args`` ask for (its name, with ``--dtypes`` and ``--modes`` applied) and
     its shapes whose names contain ``--shapes``; none: says so on stderr."""
-    name = preset_name(args, platform_name)
+    name = preset_name(args, platform_name, presets)
     preset, shapes = presets[name]
     shapes = [s for s in shapes if args.shapes is None or args.shapes in s.name]
     if not shapes:

@@ -141,12 +141,12 @@ def test_row_blocks_never_read_a_masked_tap(strategy, block_bytes):
     assert (dx[~field] == 0.0).all() and (dx[field] != 0.0).any()
 
 
-def _convolutions(config, mask=None, **conv_args):
-    """How many convolutions the CPU lowering of a value and its two gradients holds."""
+def _convolutions(config, mask=None, platform="cpu", **conv_args):
+    """How many convolutions the lowering of a value and its two gradients for ``platform`` holds."""
     mask = MASK_3X3B if mask is None else mask
     x, k = random(0, (2, 8, 9, 8)), random(1, (*mask.shape, 8 // conv_args.get("feature_group_count", 1), 8))
     loss = lambda x, k: mk.masked_conv(x, k, mask, implementation="xla", config=config, **conv_args).sum()
-    text = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(x, k).lower(lowering_platforms=("cpu",)).as_text()
+    text = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(x, k).lower(lowering_platforms=(platform,)).as_text()
     return text.count("stablehlo.convolution")
 
 
@@ -176,6 +176,18 @@ def test_blocked_strategies_fall_back_where_they_do_not_apply():
     assert _convolutions(xla.Config("gemm"), feature_group_count=2) == 3
     # Strides: the input gradient only.
     assert _convolutions(xla.Config("gemm"), strides=2) == 1
+
+
+def test_a_tpu_runs_per_box_convolutions():
+    """Lowered for a TPU (docs/design/tpu.md): "auto" is "conv" for every map, the blocked
+    strategies too (they are the CPU's), and "matmul" when asked for."""
+    assert _convolutions(None, platform="tpu") == 3
+    assert _convolutions(None, mask=np.ones((2, 3), bool), platform="tpu") == 3
+    for strategy in BLOCKED:
+        assert _convolutions(xla.Config(strategy), platform="tpu") == 3
+    assert _convolutions(xla.Config("matmul"), platform="tpu") == 0
+    assert _convolutions(xla.Config("auto", weight_grad="matmul"), platform="tpu") == 2
+    assert set(xla.DIRECT_CONVOLUTION) == {"cpu", "tpu"}
 
 
 @pytest.mark.parametrize("strategy", ["auto", "conv", "matmul", *BLOCKED])

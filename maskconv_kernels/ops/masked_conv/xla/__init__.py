@@ -6,9 +6,14 @@
 * :mod:`.depthwise`: depthwise problems as shifted products, and the segment selects.
 """
 from ...._moved import renamed_attributes
-from .conv import MAPS, STRATEGIES, Config, cpu_strategy, forward, input_grad, unsupported, weight_grad
+from .conv import (
+    DIRECT_CONVOLUTION, MAPS, STRATEGIES, Config, cpu_strategy, forward, input_grad, unsupported, weight_grad,
+)
 
-__all__ = ["Config", "STRATEGIES", "MAPS", "cpu_strategy", "unsupported", "forward", "input_grad", "weight_grad"]
+__all__ = [
+    "Config", "STRATEGIES", "MAPS", "DIRECT_CONVOLUTION", "cpu_strategy", "unsupported", "forward", "input_grad",
+    "weight_grad",
+]
 
 # The config's name before every backend's config was Config: warns, until _moved.REMOVED_IN.
 __getattr__ = renamed_attributes(__name__, {"XlaConfig": "Config"})

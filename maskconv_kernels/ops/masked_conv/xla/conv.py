@@ -7,9 +7,10 @@ chosen per map and per platform when the function is lowered (:class:`Config`):
 
 * ``"conv"``: ``lax.conv_general_dilated`` over each term's sub-kernel, with the padding
   shifted to the box's offset (boxes of one or two taps use the im2col GEMM below).
-  XLA's CPU convolution is a direct convolution, so an output reads only the inputs
-  under its box; the NaN-isolation tests prove it there. What CPUs run (the weight
-  gradient from 128 x 128 channels excepted: :func:`cpu_strategy`).
+  XLA's CPU and TPU convolutions are direct convolutions, so an output reads only the
+  inputs under its box; the NaN-isolation tests prove it there (:data:`DIRECT_CONVOLUTION`).
+  What CPUs run (the weight gradient from 128 x 128 channels excepted: :func:`cpu_strategy`)
+  and what TPUs run.
 * ``"gemm"`` and ``"conv_blocks"`` (:mod:`.blocks`): each map
   written out over blocks of pixels, so that a block stays in cache and the extra
   memory is one block's; ``"gemm"`` as GEMMs over an im2col of every active tap (all
@@ -18,8 +19,8 @@ chosen per map and per platform when the function is lowered (:class:`Config`):
   gradient; elsewhere the platform's other strategy.
 * ``"matmul"``: an im2col of each box's taps (strided slices of the padded input)
   contracted with ``dot_general``. Only multiplies and adds of active taps, so it is
-  exact on every platform; it is what GPUs and TPUs run, where a convolution call may
-  pick Winograd or FFT and mix neighbouring windows.
+  exact on every platform; it is what GPUs run, where a convolution call may pick
+  Winograd or FFT and mix neighbouring windows.
 
 With ``"conv"`` and ``"matmul"`` the gradients are the transposes of the same pieces.
 Whatever the strategy, a depthwise problem (``feature_group_count == C_in > 1``) is
@@ -47,7 +48,10 @@ from ..spec import ConvSpec
 from . import blocks, depthwise
 from .blocks import take  # a[..., indices] as a slice where contiguous
 
-__all__ = ["Config", "STRATEGIES", "MAPS", "cpu_strategy", "unsupported", "forward", "input_grad", "weight_grad"]
+__all__ = [
+    "Config", "STRATEGIES", "MAPS", "DIRECT_CONVOLUTION", "cpu_strategy", "unsupported", "forward", "input_grad",
+    "weight_grad",
+]
 
 STRATEGIES = ("auto", "conv", "matmul", *blocks.STRATEGIES)
 MAPS = ("forward", "input_grad", "weight_grad")
@@ -58,13 +62,13 @@ class Config:
     """The ``xla`` backend's config: how each linear map is computed.
 
     ``strategy``: for every map, one of ``"auto"`` (:func:`cpu_strategy` when lowered
-    for CPU, ``"matmul"`` elsewhere), ``"conv"``, ``"matmul"``, ``"gemm"`` or
-    ``"conv_blocks"`` (the module's docstring says what each is).
+    for CPU, ``"conv"`` for a TPU, ``"matmul"`` for a GPU), ``"conv"``, ``"matmul"``,
+    ``"gemm"`` or ``"conv_blocks"`` (the module's docstring says what each is).
     ``forward``, ``input_grad``, ``weight_grad``: that map's strategy, overriding
-    ``strategy`` (``None``: ``strategy``'s). The blocked strategies where they do not
-    apply (feature groups, segment ids; strides, for the input gradient) fall back to ``"conv"`` on
-    CPU and ``"matmul"`` elsewhere; the convolution strategies lowered for a GPU or TPU
-    are ``"matmul"``.
+    ``strategy`` (``None``: ``strategy``'s). The blocked strategies run on CPU only; where
+    they do not apply (feature groups, segment ids; strides, for the input gradient, or
+    another platform) they fall back to ``"conv"`` on CPU and TPU and ``"matmul"`` on
+    GPUs; ``"conv"`` lowered for a GPU is ``"matmul"``.
     ``block_bytes``: the blocked strategies' im2col patches per block of pixels
     (``None``: :data:`.blocks.BLOCK_BYTES`).
     """
@@ -116,18 +120,26 @@ def cpu_strategy(spec: ConvSpec, kind: str) -> str:
 _GEMM_WEIGHT_GRAD_CHANNELS = 128 * 128
 
 
+# The platforms whose XLA convolution reads only the inputs under its window (a direct
+# convolution, no Winograd or FFT), as the NaN-isolation and leak checks prove there:
+# XLA:CPU's, and the TPU's (measured on a TPU v5e on the benchmark's timed executables,
+# docs/design/tpu.md). On GPUs cuDNN may pick Winograd or FFT: they never get one.
+DIRECT_CONVOLUTION = ("cpu", "tpu")
+
+
 def _strategy(job, kind: str) -> str:
     """The strategy of map ``kind`` (one of :data:`MAPS`) for the job's lowering platform."""
     config = job.config or Config()
     strategy = getattr(config, kind) or config.strategy
-    # Decided per lowering platform, so a function lowered for GPU or TPU never holds a
+    # Decided per lowering platform, so a function lowered for a GPU never holds a
     # convolution (which may run Winograd or FFT there and mix masked taps in).
-    other = "conv" if job.platform == "cpu" else "matmul"
+    direct = job.platform in DIRECT_CONVOLUTION
+    other = "conv" if direct else "matmul"
     if strategy == "auto":
-        strategy = cpu_strategy(job.spec, kind) if job.platform == "cpu" else "matmul"
-    if strategy == "conv_blocks" and job.platform != "cpu":
-        return "matmul"
-    if strategy == "conv" or (strategy in blocks.STRATEGIES and blocks.unsupported(job.spec, kind)):
+        strategy = cpu_strategy(job.spec, kind) if job.platform == "cpu" else other
+    if strategy in blocks.STRATEGIES and (job.platform != "cpu" or blocks.unsupported(job.spec, kind)):
+        return other  # the blocked strategies are the CPU's (a block at a time in a lax.scan)
+    if strategy == "conv":
         return other
     return strategy
 

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The TPU check: one command, under 9 minutes on one TPU v5e (jax preinstalled, no network).
+#
+#   MASKCONV_COMMIT=<sha> bash benchmarks/tpu_check.sh        # from the repository root
+#
+# Stages, each under its own timeout so that one slow stage cannot eat the others:
+#   1. machine and versions (jax's devices, jax, jaxlib, libtpu, commit)    -> env.json
+#   2. the original report's two experiments verbatim, lax.conv and masked_conv,
+#      eager and jitted (python -m benchmarks.seed_experiment)             -> the log
+#   3. the leak report: lax.conv beside masked_conv, exactness and timing
+#      (python -m maskconv_kernels)                                         -> leak_report.json
+#   4. the benchmark grid against lax.conv(kernel * mask) at device-filling
+#      batches, the headline shapes first, every row with its leak and NaN
+#      isolation measured on the timed executables and its peak memory; the xla
+#      strategies beside the default (python -m maskconv_kernels.bench conv
+#      --preset tpu --xla-strategies ...)                                   -> tpu_v5e.jsonl
+#   5. causal_conv against jnp.pad + lax.conv at video VAE and audio codec layers,
+#      full pass and one streamed chunk, with each executable's memory
+#      (python -m maskconv_kernels.bench causal_conv --preset tpu)          -> causal_conv.jsonl
+#   6. the suites named by PYTEST_PATHS compiled on the TPU, in one process (one
+#      program at a time may hold the chip), at the default matmul precision -> pytest.txt
+#   7. the benchmarks' tables, printed last
+# Everything goes to $OUT (default benchmarks/results/tpu-check), with the full log in
+# tpu_check.log: 8 files at most, what the device machine returns.
+#
+# The device machine's copy of the tree has no .git: pass the commit as MASKCONV_COMMIT.
+# Test dependencies come from the machine's own package index (PIP_INDEX, default
+# file:///opt/pypi/simple) into /tmp/site, after its jax on PYTHONPATH.
+# Override the interpreter with PYTHON=..., the stage limits with *_TIMEOUT (seconds).
+# TPU_CHECK_ALLOW_CPU=1 lets the script run without a TPU (to test the script itself).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-$ROOT/benchmarks/results/tpu-check}
+SEED_TIMEOUT=${SEED_TIMEOUT:-60}
+REPORT_TIMEOUT=${REPORT_TIMEOUT:-90}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
+BENCH_BUDGET=${BENCH_BUDGET:-180}   # cells started after this many seconds are skipped
+BENCH_ARGS=${BENCH_ARGS:---shapes C256_32x32 --xla-strategies conv matmul}
+CAUSAL_CONV_TIMEOUT=${CAUSAL_CONV_TIMEOUT:-120}
+CAUSAL_CONV_BUDGET=${CAUSAL_CONV_BUDGET:-80}  # cells started after this many seconds are skipped
+CAUSAL_CONV_ARGS=${CAUSAL_CONV_ARGS:---dtypes bfloat16}
+PYTEST_PATHS=${PYTEST_PATHS:-}      # e.g. "tests/masked_conv/test_pallas_mosaic_tpu.py"
+PYTEST_K=${PYTEST_K:-}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
+PIP_INDEX=${PIP_INDEX:-file:///opt/pypi/simple}
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export MASKCONV_COMMIT=${MASKCONV_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+exec > >(tee "$OUT/tpu_check.log") 2>&1
+START=$(date +%s)
+stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
+declare -A STATUS
+
+stage "1. machine and versions"
+timeout 90 "$PYTHON" - "$OUT/env.json" <<'EOF'
+import importlib.metadata, json, os, platform, sys
+import jax, jaxlib
+def version(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+env = {
+    "backend": jax.default_backend(), "devices": [d.device_kind for d in jax.devices()],
+    "jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": version("libtpu") or version("libtpu-nightly"),
+    "python": platform.python_version(), "commit": os.environ.get("MASKCONV_COMMIT"),
+}
+json.dump(env, open(sys.argv[1], "w"), indent=1)
+print(json.dumps(env, indent=1))
+if env["backend"] != "tpu" and os.environ.get("TPU_CHECK_ALLOW_CPU") != "1":
+    sys.exit("jax sees no TPU (backend %r): this check is meant for the device machine" % env["backend"])
+EOF
+STATUS[env]=$?
+[ "${STATUS[env]}" = 0 ] || { echo "no usable jax on a TPU: stopping"; exit 1; }
+TAG=$("$PYTHON" -c 'import jax; print(jax.devices()[0].device_kind)' 2>/dev/null | tr '[:upper:]' '[:lower:]' \
+  | sed 's/tpu v5 lite/tpu v5e/' | tr -c 'a-z0-9\n' '_' | sed 's/__*/_/g; s/_$//')
+
+stage "2. the original report's experiments verbatim: lax.conv and masked_conv, eager and jitted (limit ${SEED_TIMEOUT}s)"
+timeout "$SEED_TIMEOUT" "$PYTHON" -m benchmarks.seed_experiment
+STATUS[seed]=$?
+
+stage "3. the leak report: lax.conv and masked_conv side by side (limit ${REPORT_TIMEOUT}s)"
+timeout "$REPORT_TIMEOUT" "$PYTHON" -m maskconv_kernels --json "$OUT/leak_report.json"
+STATUS[leak_report]=$?
+
+stage "4. the benchmark grid against lax.conv(kernel * mask) (budget ${BENCH_BUDGET}s, limit ${BENCH_TIMEOUT}s)"
+# shellcheck disable=SC2086
+# stdout (the tables) is printed in the summary; of stderr keep the last lines and any traceback.
+timeout "$BENCH_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench conv --preset tpu --time-budget "$BENCH_BUDGET" \
+  --no-chart --out "$OUT" --name "$TAG" $BENCH_ARGS 2>&1 >/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -40
+STATUS[bench]=${PIPESTATUS[0]}
+
+stage "5. causal_conv and its stream against jnp.pad / a concatenating cache + lax.conv (budget ${CAUSAL_CONV_BUDGET}s, limit ${CAUSAL_CONV_TIMEOUT}s)"
+# shellcheck disable=SC2086
+timeout "$CAUSAL_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench causal_conv --preset tpu \
+  --time-budget "$CAUSAL_CONV_BUDGET" --no-chart --out "$OUT" --name causal_conv $CAUSAL_CONV_ARGS 2>&1 >/dev/null \
+  | tr '\r' '\n' | grep -v '^ *$' | tail -20
+STATUS[causal_conv]=${PIPESTATUS[0]}
+
+if [ -n "$PYTEST_PATHS" ]; then
+  stage "6. the suites on the TPU, compiled, one process (limit ${PYTEST_TIMEOUT}s)"
+  PIP_CONFIG_FILE=/dev/null timeout 120 "$PYTHON" -m pip install -q --isolated --only-binary=:all: \
+    --index-url "$PIP_INDEX" --target /tmp/site flax optax pytest-timeout >/dev/null 2>&1
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # shellcheck disable=SC2086
+  timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -p no:xdist -p no:cacheprovider -o addopts="" -m "not slow" -q \
+    ${PYTEST_K:+-k "$PYTEST_K"} $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -30
+  STATUS[pytest]=${PIPESTATUS[0]}
+fi
+
+stage "7. summary"
+"$PYTHON" -m maskconv_kernels.bench render "$OUT/$TAG.jsonl" 2>/dev/null
+"$PYTHON" -m maskconv_kernels.bench render "$OUT/causal_conv.jsonl" 2>/dev/null
+rm -f "$OUT/$TAG.md" "$OUT/causal_conv.md"  # render writes both again from the rows; 8 files come back at most
+for key in "${!STATUS[@]}"; do echo "status $key: ${STATUS[$key]}"; done
+echo "total: $(( $(date +%s) - START ))s"
