@@ -28,7 +28,7 @@ class Launch:
 
     ``block_m x block_n`` is the output tile of a program and ``block_k`` the reduction
     step of one ``tl.dot``; what the three dims index depends on the kernel (see
-    :mod:`.kernels`). ``split`` (weight gradient only) divides
+    ``triton/kernels.py``). ``split`` (weight gradient only) divides
     the pixel reduction into that many deterministic partial sums.
     """
 
