@@ -166,15 +166,16 @@ def _blocks_dtype(job, a, b):
 
 def forward(x, kernel, job, out_dtype, segment_ids=None):
     """``(N, *out_spatial, C_out)`` from ``x: (N, *spatial, C_in)`` and the kernel."""
-    spec, strategy, wide = job.spec, _strategy(job, "forward"), _pieces_dtype(job)
-    x, kernel = _arrive(job, x, kernel)
+    spec, strategy, fenced = job.spec, _strategy(job, "forward"), _fenced(job, out_dtype)
+    wide = spec.acc_dtype if fenced else spec.dtype  # XLA:CPU's convolution widens 16 bits anyway
+    x, kernel = _arrive(fenced, x, kernel)
     kernel = _read(kernel, spec.kernel_dtype, wide)
     if strategy in blocks.STRATEGIES:  # x is widened a block at a time, in cache
         x = _read(x, spec.x_dtype, spec.dtype)
         y = blocks.forward(x, kernel, spec, strategy, _blocks_dtype(job, x, kernel), _block_bytes(job))
     else:
         y = _forward(_read(x, spec.x_dtype, wide), kernel, spec, strategy, segment_ids)
-    return _round(job, y, out_dtype)
+    return _round(fenced, y, out_dtype)
 
 
 # The gradients are the transposes of the forward, taken in the accumulation dtype. A
@@ -188,65 +189,60 @@ def forward(x, kernel, job, out_dtype, segment_ids=None):
 
 def input_grad(dy, kernel, job, out_dtype, segment_ids=None):
     """``dx: (N, *spatial, C_in)`` from ``dy: (N, *out_spatial, C_out)``, rounded once from float32."""
-    spec, strategy, acc = job.spec, _strategy(job, "input_grad"), job.spec.acc_dtype
-    dy, kernel = _arrive(job, dy, kernel)
+    spec, strategy, acc, fenced = job.spec, _strategy(job, "input_grad"), job.spec.acc_dtype, _fenced(job, out_dtype)
+    dy, kernel = _arrive(fenced, dy, kernel)
     if strategy in blocks.STRATEGIES:
-        dy, kernel = _read(dy, spec.out_dtype, spec.out_dtype), _read(kernel, spec.kernel_dtype, _pieces_dtype(job))
+        kernel = _read(kernel, spec.kernel_dtype, acc if fenced else spec.dtype)
+        dy = _read(dy, spec.out_dtype, spec.out_dtype)
         dx = blocks.input_grad(dy, kernel, spec, strategy, _blocks_dtype(job, dy, kernel), _block_bytes(job))
-        return _round(job, dx, out_dtype)
+        return _round(fenced, dx, out_dtype)
     x = zeros_varying((dy.shape[0], *spec.in_spatial, spec.c_in), acc, dy)
     kernel, dy = _read(kernel, spec.kernel_dtype, acc), _read(dy, spec.out_dtype, acc)
     (dx,) = jax.linear_transpose(lambda x_: _forward(x_, kernel, spec, strategy, segment_ids), x)(dy)
-    return _round(job, dx, out_dtype)
+    return _round(fenced, dx, out_dtype)
 
 
 def weight_grad(x, dy, job, out_dtype, segment_ids=None):
     """``dk: (*window, C_in // groups, C_out)``, exactly zero on masked entries (never computed)."""
-    spec, strategy, acc = job.spec, _strategy(job, "weight_grad"), job.spec.acc_dtype
-    x, dy = _arrive(job, x, dy)
+    spec, strategy, acc, fenced = job.spec, _strategy(job, "weight_grad"), job.spec.acc_dtype, _fenced(job, out_dtype)
+    x, dy = _arrive(fenced, x, dy)
     if strategy in blocks.STRATEGIES:  # "conv_blocks" too: a convolution's weight gradient is the slow one
         x, dy = _read(x, spec.x_dtype, spec.dtype), _read(dy, spec.out_dtype, spec.out_dtype)
         dk = blocks.weight_grad(x, dy, spec, _blocks_dtype(job, x, dy), _block_bytes(job))
-        return _round(job, dk, out_dtype)
+        return _round(fenced, dk, out_dtype)
     kernel = zeros_varying((*spec.window, spec.c_in // spec.groups, spec.c_out), acc, dy)
     x, dy = _read(x, spec.x_dtype, acc), _read(dy, spec.out_dtype, acc)
     (dk,) = jax.linear_transpose(lambda k_: _forward(x, k_, spec, strategy, segment_ids), kernel)(dy)
-    return _round(job, dk, out_dtype)
+    return _round(fenced, dk, out_dtype)
 
 
 # jaxlib 0.12.1's CPU compiler aborts the process ("LLVM ERROR: Cannot select: v8bf16 =
 # X86ISD::VBROADCAST") on some loop fusions that write 16-bit values after moving data:
 # a slice of a transposed bfloat16 array (jnp.transpose(bf16[5, 8])[:4]), or float32 pads
-# and adds rounded to bfloat16 (a weight gradient's taps). So on CPU a 16-bit problem's
-# maps fence their 16-bit values off: operands arrive materialized (a caller's layout
+# and adds rounded to bfloat16 (a weight gradient's taps). So on CPU a map that computes
+# or returns 16-bit values is fenced: its operands arrive materialized (a caller's layout
 # transpose stays a transpose of its own), pieces are cut from them in float32, and the
-# float32 result is rounded by a convert of its own. Exact (widening is), at the cost of
-# the fused copies XLA can no longer make (docs/design/cpu_16bit_abort.md).
+# float32 result is rounded by a convert of its own. Exact (widening is), at no measured
+# cost (docs/design/cpu_16bit_abort.md).
 
 
-def _fenced(job) -> bool:
-    spec = job.spec
-    narrowest = min(np.dtype(d).itemsize for d in (spec.x_dtype, spec.kernel_dtype, spec.out_dtype))
+def _fenced(job, out_dtype) -> bool:
+    """Whether the map is fenced: lowered for CPU, with a 16-bit compute dtype (x's and the
+    kernel's, promoted) or result."""
+    narrowest = min(np.dtype(job.spec.dtype).itemsize, np.dtype(out_dtype).itemsize)
     return job.platform == "cpu" and narrowest < 4
 
 
-def _arrive(job, a, b):
-    """The two operands, materialized before any piece is cut from them where :func:`_fenced`."""
-    return lax.optimization_barrier((a, b)) if _fenced(job) else (a, b)
+def _arrive(fenced: bool, a, b):
+    """The two operands, materialized before any piece is cut from them where fenced."""
+    return lax.optimization_barrier((a, b)) if fenced else (a, b)
 
 
-def _round(job, y, out_dtype):
-    """``y`` (accumulation dtype) rounded once to ``out_dtype``, by a convert of its own where :func:`_fenced`."""
-    if not _fenced(job):
+def _round(fenced: bool, y, out_dtype):
+    """``y`` (accumulation dtype) rounded once to ``out_dtype``, by a convert of its own where fenced."""
+    if not fenced:
         return y.astype(out_dtype)
     return lax.optimization_barrier(lax.optimization_barrier(y).astype(out_dtype))
-
-
-def _pieces_dtype(job):
-    """The dtype the maps cut pieces (boxes, taps, channels) from an operand in: the
-    accumulation dtype where :func:`_fenced` (XLA:CPU's convolution widens 16-bit operands
-    anyway), the problem's elsewhere."""
-    return job.spec.acc_dtype if _fenced(job) else job.spec.dtype
 
 
 def _read(a, dtype, wide):
