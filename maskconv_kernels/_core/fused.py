@@ -25,10 +25,13 @@ So a kernel backend is a forward and a backward kernel, and every derivative abo
 first is exact because the reference is: it never reads what the kernels never read.
 
 The backend is chosen when the forward or the backward is **lowered**, per platform, as
-``masked_conv``'s maps are: ``implementation=None`` takes the first implementation of the
-op's preference that runs the problem on that platform, so one ``jax.export`` for
-``("cpu", "cuda")`` holds a path for each; a named implementation that cannot be lowered
-for a platform raises ``NotImplementedError`` there. A backend module supplies, besides
+``masked_conv``'s maps are (both are :class:`~.primitives.Kernels`): ``implementation=None``
+takes the first implementation of the platform's preference that runs the problem there,
+so one ``jax.export`` for ``("cpu", "cuda")`` holds a path for each; a named
+implementation that cannot be lowered for a platform raises ``NotImplementedError``
+there. On several devices a kernel implementation's forward and backward are split
+along the batch (the per-example operands; the shared operands' cotangents summed). A
+backend module supplies, besides
 ``Config`` and ``unsupported`` (:mod:`.registry`),
 
 * ``forward(operands, *, problem, config, interpret) -> y``;
@@ -54,17 +57,10 @@ __all__ = ["Call", "FusedOp", "backward_by_vjp"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Call:
-    """The static parameters of an op's three primitives (hashable).
+class Call(prims.Call):
+    """:class:`~.primitives.Call` with ``names``: the operands given, in order."""
 
-    ``names``: the operands given, in order. ``backend=None``: chosen per lowering platform.
-    """
-
-    names: tuple[str, ...]
-    problem: Any
-    backend: Implementation | None
-    interpret: bool
-    config: Any
+    names: tuple[str, ...] = ()
 
 
 def backward_by_vjp(forward: Callable, data: Iterable[str]) -> Callable:
@@ -100,17 +96,25 @@ class FusedOp:
     def __init__(self, name: str, registry: Registry, reference: Callable, *, data=(), shared=()):
         self.name, self.registry, self.reference = name, registry, reference
         self.data, self.shared = frozenset(data), frozenset(shared)
-        self.fwd, self.tangent, self.bwd = (
-            prims.primitive(f"{name}_{kind}", multiple_results=True) for kind in ("fwd", "tangent", "bwd")
-        )
+        self.kernels = prims.Kernels(registry)
+        # The kernels' two primitives in their two flavours (prims.Kernels); the tangent is
+        # the reference's, XLA operations, which XLA partitions itself.
+        self._fwd = self.kernels.primitives(f"{name}_fwd", multiple_results=True)
+        self._bwd = self.kernels.primitives(f"{name}_bwd", multiple_results=True)
+        self.fwd, self.bwd = self._fwd[0], self._bwd[0]
+        self.tangent = prims.primitive(f"{name}_tangent", multiple_results=True)
         self._register()
 
     def __call__(self, operands: dict, *, problem, backend: Implementation | None, interpret: bool, config):
         """``y`` of the named ``operands`` (checked by the op), by ``backend`` or, for ``None``,
         by the one chosen per lowering platform."""
-        call = Call(tuple(operands), problem, backend, bool(interpret), config)
-        (y,) = prims.bind(self.fwd, *operands.values(), call=call)
+        call = Call(problem, backend, bool(interpret), config, names=tuple(operands))
+        (y,) = self._bind(self.fwd, *operands.values(), call=call)
         return y
+
+    def _bind(self, prim, *operands, call: Call):
+        """``prim`` bound in the flavour of the moment (a kernel primitive) or as it is (the tangent)."""
+        return prims.bind(prim if prim is self.tangent else self.kernels.flavour(prim), *operands, call=call)
 
     # ----------------------------------------------------------------------- naming
 
@@ -130,20 +134,24 @@ class FusedOp:
 
     # ----------------------------------------------------------------------- lowering
 
-    def _kernel_rule(self, kind: str, platform: str, *, call: Call):
-        backend = call.backend or self.registry.choose(call.problem, platform, call.interpret)
-        reason = backend.unsupported(call.problem, platform, call.interpret)
-        if reason is not None:
-            raise self.registry.unavailable(backend.name, platform, reason)
+    def _kernel_rule(self, prim, platform: str, *, call: Call):
+        backend = self.kernels.implementation(platform, call)
         module = backend.load()
         static = dict(problem=call.problem, config=call.config, interpret=call.interpret)
+        forward = prim in self._fwd
+        per_example = self._per_example(call.names)
 
         def run(*operands):
-            if kind == "fwd":
+            if forward:
                 return [module.forward(self._named(call, operands), **static)]
             return list(module.backward(self._named(call, operands[:-1]), operands[-1], **static))
 
-        return prims.kernel_rule(run, multiple_results=True, lowering_warnings=backend.lowering_warnings)
+        # Batch-partitioned on several devices: the per-example operands (and dy) are split,
+        # the cotangents of shared operands (weights, bias) summed across devices.
+        batched_in = per_example if forward else (*per_example, True)
+        batched_out = (True,) if forward else self._per_example(self._diff(call))
+        return self.kernels.rule(prim, backend, call, run, multiple_results=True, batched_in=batched_in,
+                                 batched_out=batched_out)
 
     def _tangent_rule(self, platform: str, *, call: Call):
         n = len(call.names)
@@ -156,11 +164,7 @@ class FusedOp:
         return prims.kernel_rule(tangent, multiple_results=True)
 
     def _effects(self, *, call: Call) -> frozenset:
-        """The ordered effect of an interpreter made of host callbacks, where one may lower the call."""
-        if not call.interpret:
-            return frozenset()
-        candidates = self.registry.candidates(call.backend)
-        return prims.INTERPRETER_EFFECTS if any(b.interpreter == "effects" for b in candidates) else frozenset()
+        return self.kernels.effects(call)
 
     # ----------------------------------------------------------------------- derivatives
 
@@ -169,8 +173,8 @@ class FusedOp:
         by_name = self._named(call, tangents)
         diff = self._diff(call)
         ts = _instantiate([by_name[m] for m in diff], [named[m] for m in diff])
-        y = prims.bind(self.fwd, *primals, call=call)
-        return y, prims.bind(self.tangent, *primals, *ts, call=call)
+        y = self._bind(self.fwd, *primals, call=call)
+        return y, self._bind(self.tangent, *primals, *ts, call=call)
 
     def _tangent_jvp(self, primals, tangents, *, call: Call):
         """Second order: the reference's derivative of its own tangent map."""
@@ -201,7 +205,7 @@ class FusedOp:
         d_diff = _instantiate([t_named[m] for m in diff_names], diff)
         (d_dy,) = _instantiate(tangents[n:], primals[n:])
         _, d_out = jax.jvp(backward, (diff, primals[n]), (d_diff, d_dy))
-        return prims.bind(self.bwd, *primals, call=call), list(d_out)
+        return self._bind(self.bwd, *primals, call=call), list(d_out)
 
     def _tangent_transpose(self, cts, *operands, call: Call):
         """The tangent ``T -> ty`` transposed: the backward kernel of ``ct``."""
@@ -211,7 +215,7 @@ class FusedOp:
         (ct,) = cts
         if type(ct) is ad.Zero:
             return [None] * len(operands)
-        grads = prims.bind(self.bwd, *primals, ct, call=call)
+        grads = self._bind(self.bwd, *primals, ct, call=call)
         return [None] * n + [g if ad.is_undefined_primal(t) else None for g, t in zip(grads, tangents)]
 
     def _bwd_transpose(self, cts, *operands, call: Call):
@@ -219,7 +223,7 @@ class FusedOp:
         n = len(call.names)
         primals, dy = operands[:n], operands[n]
         assert ad.is_undefined_primal(dy) and not any(ad.is_undefined_primal(p) for p in primals)
-        (ty,) = prims.bind(self.tangent, *primals, *_instantiate(cts, cts), call=call)
+        (ty,) = self._bind(self.tangent, *primals, *_instantiate(cts, cts), call=call)
         return [None] * n + [ty]
 
     # ----------------------------------------------------------------------- registration
@@ -234,22 +238,24 @@ class FusedOp:
             named = self._named(call, avals)
             return [(named[m].shape, named[m].dtype) for m in self._diff(call)]
 
-        prims.def_abstract_eval(self.fwd, y_shape, effects=self._effects)
+        for fwd in self._fwd:
+            prims.def_abstract_eval(fwd, y_shape, effects=self._effects)
+            prims.register_lowering(fwd, functools.partial(self._kernel_rule, fwd), effects=self._effects)
+            ad.primitive_jvps[fwd] = self._fwd_jvp
+            prims.def_batching(fwd, lambda n, *, call: self._per_example(call.names), foldable=True)
+        for bwd in self._bwd:
+            prims.def_abstract_eval(bwd, cotangent_shapes, effects=self._effects)
+            prims.register_lowering(bwd, functools.partial(self._kernel_rule, bwd), effects=self._effects)
+            ad.primitive_jvps[bwd] = self._bwd_jvp
+            ad.primitive_transposes[bwd] = self._bwd_transpose
+            # The backward's cotangents of shared operands sum over the examples: mapped.
+            prims.def_batching(bwd, lambda n, *, call: self._per_example(call.names + ("dy",)), foldable=False)
         prims.def_abstract_eval(self.tangent, y_shape)
-        prims.def_abstract_eval(self.bwd, cotangent_shapes, effects=self._effects)
-        prims.register_lowering(self.fwd, functools.partial(self._kernel_rule, "fwd"), effects=self._effects)
-        prims.register_lowering(self.bwd, functools.partial(self._kernel_rule, "bwd"), effects=self._effects)
         prims.register_lowering(self.tangent, self._tangent_rule)
-        ad.primitive_jvps[self.fwd] = self._fwd_jvp
         ad.primitive_jvps[self.tangent] = self._tangent_jvp
-        ad.primitive_jvps[self.bwd] = self._bwd_jvp
         ad.primitive_transposes[self.tangent] = self._tangent_transpose
-        ad.primitive_transposes[self.bwd] = self._bwd_transpose
-        prims.def_batching(self.fwd, lambda n, *, call: self._per_example(call.names), foldable=True)
         prims.def_batching(
             self.tangent, lambda n, *, call: self._per_example(call.names + self._diff(call)), foldable=True)
-        # The backward's cotangents of shared operands sum over the examples: mapped.
-        prims.def_batching(self.bwd, lambda n, *, call: self._per_example(call.names + ("dy",)), foldable=False)
 
 
 def _instantiate(tangents, primals):

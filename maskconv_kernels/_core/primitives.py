@@ -20,7 +20,14 @@ and says, per lowering platform, which kernel lowers it. What this module adds, 
   thread pools), and so ``jax.checkpoint`` may recompute it (a simulated GPU has no side
   effect to repeat, where a user's ``io_callback`` may);
 * batching: a map over the examples alone folds into the batch; anything else maps;
-* batch partitioning of kernel calls on several devices (:mod:`.partitioning`).
+* batch partitioning of kernel calls on several devices (:mod:`.partitioning`);
+* what every op's kernel primitives share (:class:`Call`, :class:`Kernels`): the
+  implementation chosen per lowering platform from the op's registry, its support
+  checked, its kernel lowered with its warnings filtered and, where its record says so,
+  batch-partitioned; the interpreter's effect where one may lower the call; and the two
+  flavours of each primitive, the partitioned one bound unless an abstract mesh of
+  abstract devices (lowering ahead of time for hardware this host lacks) leaves no
+  device assignment to partition over.
 
 This is the only module that touches ``jax._src``: ``lower_per_platform``, the
 ``check_vma`` switch, ``auto_insert_reshard``, ``apply_primitive`` and the set of
@@ -28,9 +35,10 @@ primitives that need devices while lowered have no public spelling.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +54,11 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from . import partitioning
+from .registry import BATCH
 
 __all__ = [
     "PALLAS_TRITON_DEPRECATION", "primitive", "def_abstract_eval", "bind", "register_lowering", "kernel_rule",
-    "def_batching", "zeros_varying", "INTERPRETER_EFFECTS", "several_devices",
+    "def_batching", "zeros_varying", "INTERPRETER_EFFECTS", "several_devices", "Call", "Kernels",
 ]
 
 # What the Pallas Triton lowering warns since jax 0.11 (filtered while our kernels lower).
@@ -187,12 +196,14 @@ def several_devices(ctx) -> bool:
     return devices is not None and len(devices) > 1
 
 
-def batch_partitioned(fn: Callable, batched_in: Sequence[bool], batched_out: Sequence[bool]) -> Callable:
-    """``fn`` split by XLA along the batch of its ``batched_in`` operands (:mod:`.partitioning`)."""
+def batch_partitioned(fn: Callable, batched_in: Sequence[bool], batched_out: Sequence[bool],
+                      multiple_results: bool = False) -> Callable:
+    """``fn`` split by XLA along the batch of its ``batched_in`` operands (:mod:`.partitioning`);
+    its results as ``fn`` gives them (a list where ``multiple_results``)."""
 
     def run(*operands):
         outs = partitioning.custom_partitioned(lambda *ops: tuple(_results(fn(*ops))), batched_in, batched_out, operands)
-        return outs if len(batched_out) > 1 else outs[0]
+        return list(outs) if multiple_results else outs[0]
 
     return run
 
@@ -236,3 +247,88 @@ def _broadcast(a, d, size):
 
 def _fold(a):
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+# --------------------------------------------------------------------------- an op's kernel primitives
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The static parameters every kernel primitive of an op carries (hashable).
+
+    ``problem``: the op's checked problem (what its registry's ``unsupported`` reads);
+    ``backend``: the implementation's record, or ``None`` to choose one per lowering
+    platform (``implementation=None``); ``interpret``: run a kernel implementation in its
+    interpreter; ``config``: the implementation's config, or ``None`` for its default.
+    """
+
+    problem: Any
+    backend: Any
+    interpret: bool
+    config: Any
+
+
+class Kernels:
+    """What an op's kernel primitives share, written once: the primitives in two flavours,
+    the lowering per platform through the op's registry, and the interpreter's effect.
+
+    Each primitive has a plain flavour and a partitioned one, whose kernel lowerings are
+    batch-partitioned (:mod:`.partitioning`) wherever the module is lowered for several
+    devices, which makes jit hand them the device assignment. :meth:`bind` takes the
+    partitioned flavour but under an abstract mesh of abstract devices (lowering ahead of
+    time for a GPU this host lacks, jax >= 0.12), where there is no assignment to
+    partition over: the choice follows how the function is lowered, not how many devices
+    this process has.
+    """
+
+    def __init__(self, registry):
+        self.registry = registry
+        self.partitioned: set[Primitive] = set()
+        self._flavours: dict[Primitive, tuple[Primitive, Primitive]] = {}
+
+    def primitives(self, name: str, *, multiple_results: bool = False) -> tuple[Primitive, Primitive]:
+        """``(partitioned, ahead_of_time)``: one kernel primitive in its two flavours, the first
+        named ``name`` (what jaxprs show), the second ``name + "_unpartitioned"``."""
+        split = primitive(name, multiple_results=multiple_results, needs_devices=True)
+        plain = primitive(f"{name}_unpartitioned", multiple_results=multiple_results)
+        self.partitioned.add(split)
+        self._flavours[plain] = self._flavours[split] = (split, plain)
+        return split, plain
+
+    def flavour(self, prim: Primitive) -> Primitive:
+        """The flavour of ``prim`` to bind now."""
+        split, plain = self._flavours[prim]
+        return plain if getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None else split
+
+    def effects(self, call: Call) -> frozenset:
+        """The ordered effect of an interpreter made of host callbacks, where one may lower ``call``."""
+        if not call.interpret:
+            return frozenset()
+        return INTERPRETER_EFFECTS if any(b.interpreter == "effects" for b in self.registry.candidates(call.backend)) \
+            else frozenset()
+
+    def implementation(self, platform: str, call: Call):
+        """The record that lowers ``call`` for ``platform``: the named one, or the platform's
+        first preference that runs the problem; raises ``NotImplementedError`` where it cannot."""
+        backend = call.backend or self.registry.choose(call.problem, platform, call.interpret)
+        reason = backend.unsupported(call.problem, platform, call.interpret)
+        if reason is not None:
+            raise self.registry.unavailable(backend.name, platform, reason)
+        return backend
+
+    def rule(self, prim: Primitive, backend, call: Call, fn: Callable, *, multiple_results: bool,
+             batched_in: Sequence[bool], batched_out: Sequence[bool]) -> Callable:
+        """The lowering rule of ``backend``'s kernel ``fn(*operands)`` for ``prim``.
+
+        ``batched_in`` / ``batched_out``: for each operand / result, whether its leading
+        axis is the batch (else replicated, or for a result a sum over the examples). The
+        partitioned flavour of a ``BATCH`` record's kernel is split along them where the
+        module is lowered for several devices; an interpreter made of host callbacks is
+        not (host code gains nothing, and a callback inside ``custom_partitioning``
+        segfaults on several CPU devices, jax 0.10.2 and 0.12.0).
+        """
+        partitioned = None
+        if prim in self.partitioned and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
+            partitioned = batch_partitioned(fn, batched_in, batched_out, multiple_results)
+        return kernel_rule(fn, multiple_results=multiple_results, lowering_warnings=backend.lowering_warnings,
+                           partitioned=partitioned)

@@ -60,7 +60,7 @@ def describe_rule(order, visible, include_current: bool, layout: Layout, source:
 
 # Primitives of this library's ops, as they appear in a model's jaxpr; causal_conv runs
 # masked_conv (every tap active) under a name scope of its own (ops.causal_conv.api.SCOPE).
-_MASKED_CONV = ("masked_conv", "masked_conv_spmd")
+_MASKED_CONV = ("masked_conv", "masked_conv_unpartitioned")  # the forward map, both flavours
 _CAUSAL_CONV1D = "causal_conv1d_"
 _CAUSAL_CONV_SCOPE = re.compile(r"(^|[/(])causal_conv([)/]|$)")
 
@@ -99,7 +99,7 @@ def learn_include_current(jaxpr) -> tuple[bool, str]:
     for eqn in equations(jaxpr):
         name = eqn.primitive.name
         if name in _MASKED_CONV:
-            bits = getattr(getattr(getattr(eqn.params.get("call"), "spec", None), "mask", None), "bits", None)
+            bits = getattr(getattr(getattr(eqn.params.get("call"), "problem", None), "mask", None), "bits", None)
             if bits is None:
                 continue
             if not np.all(bits):

@@ -266,3 +266,48 @@ def test_export_for_cuda_works_in_a_process_with_several_devices():
     y64 = masked_conv_reference(x, k, M_A)
     scale = float(jnp.abs(x).max() * jnp.abs(k).max())
     assert_close(exported.call(x, k)[0], y64.sum(), np.float32, y64.size * int(M_A.sum()) * 16, scale)
+
+
+# --------------------------------------------------------------------------- causal_conv1d's kernels
+
+SHORT_BATCH = 16  # 2 rows per device; no other dim of the test arrays is 16.
+
+
+@needs_mesh
+@pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
+def test_causal_conv1d_stays_batch_sharded_and_matches_one_device(implementation):
+    """The short conv's kernels are batch-partitioned like masked_conv's (one kernel framework):
+    rows, segment ids and states split across devices, weight and bias gradients summed."""
+    interpret = implementation != "xla"  # the fused kernels in Pallas' interpreter, traced inline
+    mesh = _mesh((N_DEVICES,), ("data",), AxisType.Auto)
+    x, w, b = random(10, (SHORT_BATCH, 12, 24)), random(11, (4, 24), scale=0.5), random(12, (24,))
+    state = random(13, (SHORT_BATCH, 3, 24))
+    ids = jnp.asarray(np.repeat([[0] * 5 + [1] * 7], SHORT_BATCH, axis=0))
+
+    def conv(x, w, b, state, ids, implementation=implementation, interpret=interpret):
+        return mk.causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu",
+                                implementation=implementation, interpret=interpret)
+
+    loss = lambda conv: (lambda x, w, b, state, ids: jnp.sum(jnp.sin(conv(x, w, b, state, ids))))
+    rows = NamedSharding(mesh, P("data"))
+    args = (jax.device_put(x, rows), jax.device_put(w, NamedSharding(mesh, P())),
+            jax.device_put(b, NamedSharding(mesh, P())), jax.device_put(state, rows), jax.device_put(ids, rows))
+    forward = jax.jit(conv).lower(*args).compile()
+    gradients = jax.jit(jax.grad(loss(conv), (0, 1, 2, 3))).lower(*args).compile()
+    y, (dx, dw, db, dstate) = forward(*args), gradients(*args)
+    for a in (y, dx, dstate):
+        assert a.sharding.is_equivalent_to(rows, a.ndim), a.sharding
+    assert dw.sharding.is_fully_replicated and db.sharding.is_fully_replicated
+
+    one = functools.partial(conv, implementation="xla", interpret=False)
+    y1 = jax.jit(one)(x, w, b, state, ids)
+    dx1, dw1, db1, dstate1 = jax.jit(jax.grad(loss(one), (0, 1, 2, 3)))(x, w, b, state, ids)
+    assert_close(y, y1, np.float32, reduction=4, scale=float(abs(x).max() * abs(w).max()) + 1.0)
+    for got, want, reduction in ((dx, dx1, 4), (dstate, dstate1, 4), (dw, dw1, SHORT_BATCH * 12),
+                                 (db, db1, SHORT_BATCH * 12)):
+        assert_close(got, want, np.float32, reduction=reduction, scale=float(abs(want).max()) + 1.0)
+    for compiled in (forward, gradients):
+        text = compiled.as_text()
+        assert "all-gather" not in text, f"{implementation}: the compiled program gathers:\n{text}"
+        assert not re.search(rf"f32\[{SHORT_BATCH},12,24\]", text), f"{implementation}: a device holds every row"
+    assert "all-reduce" in gradients.as_text()

@@ -47,27 +47,12 @@ import numpy as np
 from jax.interpreters import ad
 
 from ..._core import primitives as prims
-from ..._core.registry import BATCH, Implementation
+from ..._core.registry import Implementation
 from . import backends as _backends
 from .kernel_problem import KernelProblem, kernel_problem, lift, scatter_taps, sum_in_order
 from .spec import ConvSpec
 
-__all__ = ["Call", "Job", "masked_conv", "conv_p", "conv_dx_p", "conv_dk_p"]  # the single-device flavour
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """The static parameters of the three primitives (hashable).
-
-    ``backend=None``: chosen per lowering platform (``implementation=None``).
-    ``dtype``: the dtype of ``x`` and ``kernel`` in the primal call (configs default from it).
-    """
-
-    spec: ConvSpec
-    backend: Implementation | None
-    interpret: bool
-    config: Any
-    dtype: np.dtype
+__all__ = ["Job", "KERNELS", "masked_conv", "conv_p", "conv_dx_p", "conv_dk_p"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +64,7 @@ class Job:
     config: Any  # the backend's config, or None (its default)
     interpret: bool
     platform: str  # the lowering platform: "cpu", "cuda", "rocm", "tpu"
-    dtype: np.dtype  # as Call.dtype
+    dtype: np.dtype  # the dtype of x and the kernel in the primal call (configs default from it)
 
 
 def masked_conv(
@@ -101,10 +86,9 @@ def masked_conv(
     if 0 in x.shape or 0 in kernel.shape or not spec.mask.active_taps:
         # Every output is an empty sum: exact zeros, and zero gradients, with nothing read.
         return jnp.zeros(out_shape, spec.out_dtype)
-    call = Call(spec, backend, bool(interpret), config, np.dtype(spec.dtype))
-    conv = _flavour().conv
+    call = prims.Call(spec, backend, bool(interpret), config)
     ids = () if segment_ids is None else (segment_ids,)
-    bind = lambda x, k, *ids: _bind(conv, x, k, *ids, call=call, out_dtype=np.dtype(spec.out_dtype))
+    bind = lambda x, k, *ids: _bind(conv_p, x, k, *ids, call=call, out_dtype=np.dtype(spec.out_dtype))
     mesh = _explicit_mesh((x, kernel))
     if mesh is None:
         return bind(x, kernel, *ids)
@@ -132,53 +116,20 @@ def _batch_axis(x):
 
 # --------------------------------------------------------------------------- the primitives
 
-
-@dataclasses.dataclass(frozen=True)
-class _Maps:
-    """The three primitives, of one flavour.
-
-    ``spmd=True``: the flavour bound in processes with several devices, whose kernel
-    backends' lowering is batch-partitioned and so needs the device assignment; such a
-    primitive cannot be lowered under an abstract mesh alone (ahead of time, for a GPU
-    this host does not have). Single-device processes, where partitioning has nothing to
-    do, bind the plain flavour.
-    """
-
-    conv: Any
-    dx: Any
-    dk: Any
-    spmd: bool
-
-    @property
-    def all(self):
-        return (self.conv, self.dx, self.dk)
+KERNELS = prims.Kernels(_backends.REGISTRY)
+# Each map in its two flavours, (partitioned, ahead of time): prims.Kernels binds the first but
+# ahead of time. conv_p, conv_dx_p and conv_dk_p name the maps.
+_FLAVOURS = {
+    kind: KERNELS.primitives(name)
+    for kind, name in (("forward", "masked_conv"), ("input_grad", "masked_conv_input_grad"),
+                       ("weight_grad", "masked_conv_weight_grad"))
+}
+conv_p, conv_dx_p, conv_dk_p = (_FLAVOURS[k][0] for k in ("forward", "input_grad", "weight_grad"))
+_KIND = {p: kind for kind, pair in _FLAVOURS.items() for p in pair}
 
 
-def _maps(spmd: bool) -> _Maps:
-    suffix = "_spmd" if spmd else ""
-    names = ("masked_conv", "masked_conv_input_grad", "masked_conv_weight_grad")
-    return _Maps(*(prims.primitive(f"{n}{suffix}", needs_devices=spmd) for n in names), spmd)
-
-
-_PLAIN, _SPMD = _maps(False), _maps(True)
-conv_p, conv_dx_p, conv_dk_p = _PLAIN.all
-_KIND = {}
-for _m in (_PLAIN, _SPMD):
-    _KIND.update({_m.conv: "forward", _m.dx: "input_grad", _m.dk: "weight_grad"})
-
-
-def _flavour() -> _Maps:
-    if jax.device_count() == 1:
-        return _PLAIN
-    # Under an abstract mesh of abstract devices (lowering ahead of time for a GPU this
-    # host lacks, jax >= 0.12) there is no device assignment to partition over.
-    if getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None:
-        return _PLAIN
-    return _SPMD
-
-
-def _out_shape(kind: str, a, call: Call) -> tuple[int, ...]:
-    s = call.spec
+def _out_shape(kind: str, a, call: prims.Call) -> tuple[int, ...]:
+    s = call.problem
     if kind == "forward":
         return (a.shape[0], *s.out_spatial, s.c_out)
     if kind == "input_grad":
@@ -186,12 +137,8 @@ def _out_shape(kind: str, a, call: Call) -> tuple[int, ...]:
     return (*s.window, s.c_in // s.groups, s.c_out)
 
 
-def _effects(call: Call, out_dtype) -> frozenset:
-    """The ordered effect of an interpreter made of host callbacks, when one may lower this call."""
-    if not call.interpret:
-        return frozenset()
-    candidates = _backends.REGISTRY.candidates(call.backend)
-    return prims.INTERPRETER_EFFECTS if any(b.interpreter == "effects" for b in candidates) else frozenset()
+def _effects(call: prims.Call, out_dtype) -> frozenset:
+    return KERNELS.effects(call)
 
 
 for _prim, _kind in _KIND.items():
@@ -210,7 +157,7 @@ def _dtype(v) -> np.dtype:
 
 
 def _bind(prim, a, b, *segment_ids, **params):
-    return prims.bind(prim, a, b, *segment_ids, **params)
+    return prims.bind(KERNELS.flavour(prim), a, b, *segment_ids, **params)
 
 
 def _bilinear_transpose(lhs, rhs):
@@ -244,18 +191,19 @@ def _bilinear_jvp(prim, primals, tangents, **params):
     return out, terms[0] if len(terms) == 1 else terms[0] + terms[1]
 
 
-for _m in (_PLAIN, _SPMD):
-    for _prim, (_lhs, _rhs) in {
-        # transpose in the first operand, in the second, as the other two maps
-        _m.conv: (lambda ct, x, k, m=_m: (m.dx, ct, k, x), lambda ct, x, k, m=_m: (m.dk, x, ct, k)),
-        _m.dx: (lambda ct, dy, k, m=_m: (m.conv, ct, k, dy), lambda ct, dy, k, m=_m: (m.dk, ct, dy, k)),
-        _m.dk: (lambda ct, x, dy, m=_m: (m.dx, dy, ct, x), lambda ct, x, dy, m=_m: (m.conv, x, ct, dy)),
-    }.items():
-        ad.primitive_transposes[_prim] = _bilinear_transpose(_lhs, _rhs)
-        ad.primitive_jvps[_prim] = functools.partial(_bilinear_jvp, _prim)
+# Transposes in the first operand and in the second, as the other two maps (bound in the
+# flavour of the moment by _bind).
+_TRANSPOSES = {
+    "forward": (lambda ct, x, k: (conv_dx_p, ct, k, x), lambda ct, x, k: (conv_dk_p, x, ct, k)),
+    "input_grad": (lambda ct, dy, k: (conv_p, ct, k, dy), lambda ct, dy, k: (conv_dk_p, ct, dy, k)),
+    "weight_grad": (lambda ct, x, dy: (conv_dx_p, dy, ct, x), lambda ct, x, dy: (conv_p, x, ct, dy)),
+}
+for _prim, _kind in _KIND.items():
+    ad.primitive_transposes[_prim] = _bilinear_transpose(*_TRANSPOSES[_kind])
+    ad.primitive_jvps[_prim] = functools.partial(_bilinear_jvp, _prim)
 
 
-def _transposed(how, call: Call, segment_ids):
+def _transposed(how, call: prims.Call, segment_ids):
     prim, a, b, primal = how
     return _bind(prim, a, b, *segment_ids, call=call, out_dtype=_dtype(primal))
 
@@ -274,23 +222,16 @@ for _prim, _kind in _KIND.items():
 # --------------------------------------------------------------------------- lowering, per platform
 
 
-def _platform_rule(platform: str, *, call: Call, out_dtype, kind: str, spmd: bool):
-    backend = call.backend or _backends.choose(call.spec, platform, call.interpret)
-    reason = backend.unsupported(call.spec, platform, call.interpret)
-    if reason is not None:
-        raise _backends.REGISTRY.unavailable(backend.name, platform, reason)
-    problem = kernel_problem(call.spec) if "kernel_problem" in backend.traits else None
-    job = Job(call.spec, problem, call.config, call.interpret, platform, call.dtype)
-    fn = functools.partial(_run, kind, backend, job, np.dtype(out_dtype))
-    partitioned = None
-    if spmd and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
-        # conv and conv_dx: batched operand and output, replicated kernel; conv_dk: both
-        # operands batched, the output a sum over examples (psum across devices).
-        batched_in = ((True, True) if kind == "weight_grad" else (True, False)) + (True,) * int(call.spec.segmented)
-        partitioned = prims.batch_partitioned(fn, batched_in, (kind != "weight_grad",))
-    return prims.kernel_rule(
-        fn, multiple_results=False, lowering_warnings=backend.lowering_warnings, partitioned=partitioned,
-    )
+def _platform_rule(platform: str, *, call: prims.Call, out_dtype, prim):
+    kind, spec = _KIND[prim], call.problem
+    backend = KERNELS.implementation(platform, call)
+    problem = kernel_problem(spec) if "kernel_problem" in backend.traits else None
+    job = Job(spec, problem, call.config, call.interpret, platform, np.dtype(spec.dtype))
+    # conv and conv_dx: batched operand and output, replicated kernel; conv_dk: both
+    # operands batched, the output a sum over examples (psum across devices).
+    batched_in = ((True, True) if kind == "weight_grad" else (True, False)) + (True,) * int(spec.segmented)
+    return KERNELS.rule(prim, backend, call, functools.partial(_run, kind, backend, job, np.dtype(out_dtype)),
+                        multiple_results=False, batched_in=batched_in, batched_out=(kind != "weight_grad",))
 
 
 def _run(kind: str, backend: Implementation, job: Job, out_dtype: np.dtype, a, b, *segment_ids):
@@ -316,8 +257,5 @@ def _run(kind: str, backend: Implementation, job: Job, out_dtype: np.dtype, a, b
     return dk.reshape(*s.window, s.c_in, s.c_out)
 
 
-for _m in (_PLAIN, _SPMD):
-    for _prim in _m.all:
-        prims.register_lowering(
-            _prim, functools.partial(_platform_rule, kind=_KIND[_prim], spmd=_m.spmd), effects=_effects,
-        )
+for _prim in _KIND:
+    prims.register_lowering(_prim, functools.partial(_platform_rule, prim=_prim), effects=_effects)
