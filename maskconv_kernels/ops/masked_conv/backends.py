@@ -57,6 +57,9 @@ REGISTRY = Registry(
         Implementation(
             "pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", platforms=_CUDA, interpreter="effects", traits=_KERNELS,
         ),
+        # Pallas kernels lowered through Mosaic for TPUs; interpreted by Pallas' interpret=True
+        # mode, traced inline (no host callbacks). Named only, for now.
+        Implementation("pallas_mosaic_tpu", f"{_PACKAGE}.pallas_mosaic_tpu", platforms=("tpu",), traits=_KERNELS),
     ),
     # Tried in order by implementation=None, per lowering platform; "xla" runs everything.
     # pallas_triton first on NVIDIA GPUs: on an H200 its kernels (per-kernel default
