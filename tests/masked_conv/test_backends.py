@@ -26,7 +26,7 @@ def _assert_matches_reference(y, x, k):
 
 
 def test_every_record_names_its_lowering_module_and_frozen_config():
-    assert set(backends.IMPLEMENTATIONS) == {"xla", "pallas_triton", "triton", "pallas_mosaic_gpu"}
+    assert set(backends.IMPLEMENTATIONS) == {"xla", "pallas_triton", "triton", "pallas_mosaic_gpu", "pallas_mosaic_tpu"}
     for platform in ("cpu", "cuda", "rocm", "tpu"):
         assert backends.PREFERENCE[platform][-1] == "xla", platform  # supports everything: the fallback
     for record in backends.BACKENDS.values():

@@ -32,9 +32,10 @@ def _same(a, b):
 
 
 def _kernel_backends():
-    """xla and every kernel backend; the interpreters that run as host callbacks (slow) in the slow tier."""
+    """xla and every kernel backend; the interpreters that run as host callbacks (slow), and the
+    TPU kernels (named only; interpreted, their fast tier is test_pallas_mosaic_tpu.py), in the slow tier."""
     names = sorted(name for name, b in BACKENDS.items() if b.implementation != "xla" or name == "xla")
-    slow = {"triton", "pallas_mosaic_gpu"}
+    slow = {"triton", "pallas_mosaic_gpu", "pallas_mosaic_tpu"}
     return tiered(names, lambda n: BACKENDS[n].implementation not in slow)
 
 

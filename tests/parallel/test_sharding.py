@@ -97,9 +97,11 @@ CASES = [(n, t) for n in DATA_PARALLEL for t in (AxisType.Auto, AxisType.Explici
 
 
 @needs_mesh
-# Both axis types on xla; the kernel backends with Auto (the common jit program) in the fast tier.
+# Both axis types on xla; the kernel backends with Auto (the common jit program) in the fast tier,
+# but for the TPU kernels (named only; interpreted, their fast tier is test_pallas_mosaic_tpu.py).
 @pytest.mark.parametrize(
-    "name, axis_type", tiered(CASES, lambda c: c[0] == "xla" or c[1] == AxisType.Auto, spread=True),
+    "name, axis_type",
+    tiered(CASES, lambda c: c[0] == "xla" or (c[1] == AxisType.Auto and c[0] != "pallas_mosaic_tpu"), spread=True),
     ids=[f"{n}-{t.name}" for n, t in CASES],
 )
 def test_data_parallel_stays_sharded_and_matches_one_device(name, axis_type):

@@ -54,8 +54,12 @@ class Impl(harness.Implementation):
 
         Not ``xla`` (XLA's convolution orders its sum by shape), nor Triton's interpreter:
         it runs ``tl.dot`` as NumPy's matmul, whose BLAS picks a summation order by shape
-        (8 ulp apart on an AMD EPYC). The compiled Triton kernels keep the claim."""
-        return self.implementation != "xla" and not (self.implementation == "triton" and self.interpret)
+        (8 ulp apart on an AMD EPYC). The compiled Triton kernels keep the claim. Nor the
+        Mosaic TPU kernels interpreted: their dots are XLA:CPU's, whose bits for one row
+        depend on the rows beside it, and a block holds as many pixels as the problem
+        (a chunk) has, up to its size."""
+        shape_dependent = {"triton", "pallas_mosaic_tpu"}
+        return self.implementation != "xla" and not (self.implementation in shape_dependent and self.interpret)
 
     def conv(self, x, kernel, bias=None, **kw):
         return self(x, kernel, bias, **kw)

@@ -5,7 +5,7 @@ low side only (:mod:`.checks`), so its implementations are exactly ``masked_conv
 ``"xla"`` (every problem, every platform) and each kernel backend that takes the problem
 (``"pallas_triton"``: 1-D and 2-D, ungrouped, any stride; ``"triton"``: 1-D and 2-D,
 ungrouped; ``"pallas_mosaic_gpu"``: 1-D and 2-D, stride 1, bfloat16 and float16, jax >=
-0.11). Nothing per implementation is written here: the records are shared, a backend
+0.11; ``"pallas_mosaic_tpu"``: 1-D and 2-D, stride 1, float32 and bfloat16). Nothing per implementation is written here: the records are shared, a backend
 added to ``masked_conv`` enters this table with it, and an implementation is asked
 about the problem's :class:`~maskconv_kernels.ops.masked_conv.spec.ConvSpec`. Only the
 table's name differs, so every error speaks of ``causal_conv``.

@@ -9,7 +9,7 @@
 * :mod:`.reference`: the float64 oracle and the leaky ``lax.conv(kernel * mask)`` baseline;
 * :mod:`.decode`: decode caches, one position at a time;
 * one folder per implementation: :mod:`.xla`, :mod:`.pallas_triton`, :mod:`.triton`,
-  :mod:`.pallas_mosaic_gpu`.
+  :mod:`.pallas_mosaic_gpu`, :mod:`.pallas_mosaic_tpu`.
 """
 from .api import IMPLEMENTATIONS, PREFERENCE, implementation_for, masked_conv
 

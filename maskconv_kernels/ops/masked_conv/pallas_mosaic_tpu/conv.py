@@ -58,6 +58,8 @@ def _problem_reason(spec: ConvSpec) -> str | None:
     if np.dtype(spec.dtype) not in _DTYPES:
         return f"{spec.dtype} inputs (the kernels take float32 and bfloat16; implementation=None uses xla)"
     problem = kernel_problem(spec)
+    if _empty(problem, 1):
+        return None  # no kernel runs
     for kernel in KERNELS:
         dtype = spec.dtype if kernel == "forward" else _grad_dtype(spec)
         config = Config.get_default(spec, dtype, kernel)
@@ -69,6 +71,11 @@ def _problem_reason(spec: ConvSpec) -> str | None:
                 "MiB budget (a block holds whole image rows and every reduction channel); implementation=None uses xla"
             )
     return None
+
+
+def _empty(p: KernelProblem, batch: int) -> bool:
+    """Every sum is empty (no example, or no input or output pixel): the maps are exact zeros, no kernel runs."""
+    return batch == 0 or 0 in p.in_hw or 0 in p.out_hw
 
 
 def _grad_dtype(spec: ConvSpec) -> np.dtype:
@@ -158,6 +165,10 @@ def _crop(out, g: Geometry):
 
 
 def _tap_conv(a, k, job, out_dtype, kernel: str, name: str):
+    p = job.problem
+    if _empty(p, a.shape[0]):
+        result = (p.out_hw, p.c_out) if kernel == "forward" else (p.in_hw, p.c_in)
+        return jnp.zeros((a.shape[0], *result[0], result[1]), out_dtype)
     a, k = _common(a, k)
     g, _ = _geometry(job, kernel, a.dtype)
     w = _weights(k, job.problem, g, transpose=kernel == "input_grad")
@@ -185,6 +196,8 @@ def input_grad(dy, k, job, out_dtype):
 def weight_grad(x, dy, job, out_dtype):
     """``[1, T, C_in, C_out]``: the weight gradient of the active taps ``job.problem.taps`` (one split)."""
     p = job.problem
+    if _empty(p, x.shape[0]):
+        return jnp.zeros((1, len(p.taps), p.c_in, p.c_out), out_dtype)
     x, dy = _common(x, dy)
     g, config = _geometry(job, "weight_grad", x.dtype)
     (oh, ow), (hp, wp) = g.taps.out_hw, g.out_pad

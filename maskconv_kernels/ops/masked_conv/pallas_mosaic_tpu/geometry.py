@@ -83,8 +83,8 @@ class Taps:
 
     @property
     def reach(self) -> tuple[int, int]:
-        """The largest row and column offset: how far past a result pixel its taps read."""
-        return max(dr for dr, _ in self.offsets), max(dc for _, dc in self.offsets)
+        """The largest row and column offset: how far past a result pixel its taps read (none: 0)."""
+        return max((dr for dr, _ in self.offsets), default=0), max((dc for _, dc in self.offsets), default=0)
 
     @property
     def has_partial(self) -> bool:
