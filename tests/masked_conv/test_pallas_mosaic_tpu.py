@@ -4,8 +4,8 @@ The shared suites (agreement, exactness, transforms) run the kernels through the
 ``pallas_mosaic_tpu_interpret`` backend (:mod:`support.implementations`), in the slow
 tier; these cover what they cannot: the Mosaic lowering, several blocks and halos
 (small configs), bfloat16 against the float64 reference, the channel selects of partial
-taps, the refusals and the config. No TPU here: the kernels are lowered for one from the
-CPU and run in Pallas' interpreter.
+taps, the refusals and the config. Without a TPU the kernels are lowered for one from
+the CPU and run in Pallas' interpreter; on a TPU the same tests run them compiled.
 """
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ from maskconv_kernels.ops.masked_conv.spec import make_spec
 IMPL = "pallas_mosaic_tpu"
 KERNEL_NAMES = ("maskconv_tpu_fwd", "maskconv_tpu_bwd_input", "maskconv_tpu_bwd_weight")
 BF16 = np.dtype(jnp.bfloat16)
+INTERPRET = jax.default_backend() != "tpu"  # compiled where they run, interpreted elsewhere
 
 
 def _conv(mask, config=None, **kw):
-    return lambda x, k: mk.masked_conv(x, k, mask, implementation=IMPL, interpret=True, config=config, **kw)
+    return lambda x, k: mk.masked_conv(x, k, mask, implementation=IMPL, interpret=INTERPRET, config=config, **kw)
 
 
 # --------------------------------------------------------------------------- lowering for TPU
@@ -94,7 +95,7 @@ def test_needs_a_tpu_or_interpret_mode():
 
 def _kernel_jaxprs_of(spec, dtype) -> dict:
     """``{pallas_call name: kernel jaxpr}`` of the three kernels as the core runs them."""
-    job = maps.Job(spec, kernel_problem(spec), None, True, "tpu", np.dtype(dtype))
+    job = maps.Job(spec, kernel_problem(spec), None, INTERPRET, "tpu", np.dtype(dtype))
     p, n = job.problem, 2
     x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
     y = jax.ShapeDtypeStruct(p.y_shape(n), dtype)
@@ -337,7 +338,7 @@ def test_unsupported_problems_say_why_and_none_falls_back_to_xla(x_shape, k_shap
 def test_named_for_an_unsupported_problem_raises_naming_why():
     x, k, mask = jnp.ones((1, 9, 9, 2)), jnp.ones((3, 3, 2, 2)), np.ones((3, 3), bool)
     with pytest.raises(NotImplementedError, match=re.escape("strides=(2, 2)")):
-        mk.masked_conv(x, k, mask, implementation=IMPL, interpret=True, strides=2)
+        mk.masked_conv(x, k, mask, implementation=IMPL, interpret=INTERPRET, strides=2)
 
 
 def test_a_config_too_large_for_vmem_is_refused():

@@ -144,17 +144,16 @@ def _weights(k, p: KernelProblem, g: Geometry, transpose: bool):
 
     Only the active taps are read (static indices). A channel-partial piece's entries
     outside its (read x write) runs are selected to zero: a masked kernel entry, even
-    NaN, is never an operand.
+    NaN, is never an operand. The transpose is one ``swapaxes`` of the stacked matrices:
+    jax 0.12's XLA:CPU fails to compile (an LLVM instruction-selection error on a bfloat16
+    broadcast) a stack of per-tap bfloat16 transposes, which the interpreter runs on CPU.
     """
-    mats = []
-    for piece in g.taps.pieces:
-        m = k[p.taps[piece.tap]]  # [C_in, C_out]
-        m = m.T if transpose else m
-        if piece.is_partial:
-            keep = np.outer(_channels(piece.reads, g.c_read), _channels(piece.writes, g.c_result))
-            m = jnp.where(keep, m, jnp.zeros((), m.dtype))
-        mats.append(m)
-    w = jnp.stack(mats)
+    w = jnp.stack([k[p.taps[piece.tap]] for piece in g.taps.pieces])  # [pieces, C_in, C_out]
+    w = jnp.swapaxes(w, 1, 2) if transpose else w
+    if g.taps.has_partial:
+        keep = np.stack([np.outer(_channels(piece.reads, g.c_read), _channels(piece.writes, g.c_result))
+                         for piece in g.taps.pieces])
+        w = jnp.where(keep, w, jnp.zeros((), w.dtype))
     return jnp.pad(w, ((0, 0), (0, 0), (0, g.c_result_pad - g.c_result))) if g.c_result_pad > g.c_result else w
 
 
