@@ -20,7 +20,7 @@ from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.ops.masked_conv import implementation_for, maps, pallas_mosaic_tpu
+from maskconv_kernels.ops.masked_conv import backends, implementation_for, maps, pallas_mosaic_tpu
 from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_tpu import Config
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_tpu.config import KERNELS, VMEM_BUDGET_BYTES, vmem_bytes
@@ -77,11 +77,12 @@ def test_value_and_grad_lowers_for_tpu_to_three_named_mosaic_kernels_and_no_conv
 def test_needs_a_tpu_or_interpret_mode():
     x, k, mask = jnp.ones((1, 5, 5, 2)), jnp.ones((3, 3, 2, 2)), mk.pixelcnn_mask((3, 3), "B")
     spec = make_spec(x, k, mask)
-    assert pallas_mosaic_tpu.unsupported(spec, "tpu") is None
-    assert pallas_mosaic_tpu.unsupported(spec, None) is None
-    assert pallas_mosaic_tpu.unsupported(spec, "cpu", interpret=True) is None
+    record = backends.get(IMPL)
+    assert record.unsupported(spec, "tpu") is None
+    assert record.unsupported(spec, None) is None
+    assert record.unsupported(spec, "cpu", interpret=True) is None
     for platform in ("cpu", "cuda", "rocm"):
-        assert "interpret=True" in pallas_mosaic_tpu.unsupported(spec, platform, interpret=False)
+        assert "lower for TPUs (tpu) only" in record.unsupported(spec, platform, interpret=False)
     # Named only: implementation=None does not try it, on any platform.
     assert implementation_for(spec, platform="tpu") == "xla"
     # Named, it traces anywhere and refuses only when lowered for a platform it cannot run on.

@@ -25,26 +25,9 @@ _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 
 
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
-    """Why the Mosaic TPU kernels cannot run ``spec`` lowered for ``platform`` (``None`` when they can).
-
-    ``platform``: a lowering platform (``"tpu"``, ``"cpu"``, ``"cuda"``, ``"rocm"``), or
-    ``None`` to ask about the problem alone.
-    """
-    return _problem_reason(spec) or _platform_reason(platform, interpret)
-
-
-def _platform_reason(platform: str | None, interpret: bool) -> str | None:
-    """Where the kernels lower: Mosaic for TPUs, or Pallas' interpreter anywhere.
-
-    The only platform check of this backend, kept apart so that it can move into the
-    backend's registry record.
-    """
-    if interpret or platform is None or platform == "tpu":
-        return None
-    return (
-        f'platform "{platform}": the kernels lower through Mosaic for TPUs (pass interpret=True to run them in '
-        "Pallas' interpreter on this platform)"
-    )
+    """Why the Mosaic TPU kernels cannot run ``spec`` (``None`` when they can); the record says
+    they lower for TPUs (or anywhere interpreted)."""
+    return _problem_reason(spec)
 
 
 @functools.lru_cache(maxsize=256)
