@@ -56,8 +56,9 @@ def test_interpret_never_brings_another_platforms_kernels(name, platform):
 
 def test_implementation_for_on_a_tpu_is_never_a_gpu_kernel():
     spec = _conv_spec()
-    assert implementation_for(spec, "tpu", interpret=True) == "xla"
+    assert implementation_for(spec, "tpu", interpret=True) == "pallas_mosaic_tpu"
     assert implementation_for(spec, "cuda", interpret=True) == "pallas_triton"
+    assert implementation_for(spec, "cpu", interpret=True) == "xla"
 
 
 @pytest.mark.parametrize("name", ["pallas_triton", "triton", "pallas_mosaic_gpu"])

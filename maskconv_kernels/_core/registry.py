@@ -7,7 +7,11 @@ An implementation is a module of the op's package (``ops/<op>/<name>``) that sup
   ``problem`` (``platform``: the lowering platform, ``"cpu"``, ``"cuda"``, ``"rocm"``,
   ``"tpu"``, for what only that platform's hardware decides, a compute capability say;
   ``None`` asks about the problem alone), ``None`` when it can;
-* the kernels the op calls (their names are the op's business).
+* the kernels the op calls (their names are the op's business);
+* optionally ``not_preferred(problem, platform) -> str | None``: why ``implementation=None``
+  should pass over it for a problem it runs (where it was measured slower, or not
+  measured), ``None`` where its place in the platform's preference stands. Named, it
+  runs whatever its ``unsupported`` allows.
 
 Which platforms an implementation lowers for is its record's (:attr:`Implementation.platforms`),
 checked here once for every module; ``interpret=True`` runs a kernel implementation in its
@@ -90,6 +94,12 @@ class Implementation:
                 "(pass interpret=True to run them in their interpreter on any platform, slowly)"
             )
         return reason if reason is not None else self.load().unsupported(problem, platform, interpret)
+
+    def not_preferred(self, problem: Any, platform: str) -> str | None:
+        """Why ``implementation=None`` passes over it for ``problem`` on ``platform`` (its
+        module's ``not_preferred``, where it has one), ``None`` where it does not."""
+        module = self.load()
+        return module.not_preferred(problem, platform) if hasattr(module, "not_preferred") else None
 
 
 # jax's name for a platform -> the lowering platform the records name.
@@ -180,13 +190,15 @@ class Registry:
         return implementation
 
     def choose(self, problem: Any, platform: str, interpret: bool = False) -> Implementation:
-        """The first implementation of the platform's preference that runs ``problem`` there
-        (``interpret=True``: in its interpreter; it never brings in another platform's kernels)."""
+        """The first implementation of the platform's preference that runs ``problem`` there and
+        is preferred for it (``interpret=True``: in its interpreter; it never brings in another
+        platform's kernels)."""
         reasons = []
         for name in self.preference_for(platform):
-            reason = self.by_name[name].unsupported(problem, platform, interpret)
+            record = self.by_name[name]
+            reason = record.unsupported(problem, platform, interpret) or record.not_preferred(problem, platform)
             if reason is None:
-                return self.by_name[name]
+                return record
             reasons.append(f"{name}: {reason}")
         raise NotImplementedError(f"{self.op}: no implementation runs this problem on {platform}: " + "; ".join(reasons))
 

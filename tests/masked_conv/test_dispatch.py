@@ -113,4 +113,4 @@ def test_implementation_for_names_the_choice_per_platform():
     spec = make_spec(x, k, MASK)
     assert implementation_for(spec, "cpu") == "xla"
     assert implementation_for(spec, "cuda") == "pallas_triton"
-    assert implementation_for(spec, "tpu") == "xla"
+    assert implementation_for(spec, "tpu") == "pallas_mosaic_tpu"

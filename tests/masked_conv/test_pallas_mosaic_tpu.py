@@ -58,6 +58,21 @@ LOWERING_CASES = {
 }
 
 
+def test_implementation_none_lowered_for_tpu_holds_the_mosaic_kernels():
+    """From a CPU host, as CI runs it: the default on a TPU is the three kernels for a 2-D
+    layer, and the xla path's per-box convolutions for a 1-D one."""
+    def value_and_grad(mask, shape):
+        x, k = jnp.zeros(shape, jnp.bfloat16), jnp.zeros((*mask.shape, shape[-1], 8), jnp.bfloat16)
+        loss = lambda x, k: mk.masked_conv(x, k, mask).astype(jnp.float32).sum()  # noqa: E731
+        return _lower_for_tpu(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
+
+    text = value_and_grad(mk.pixelcnn_mask((3, 3), "B"), (2, 9, 8, 8))
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 3
+    assert "stablehlo.convolution" not in text
+    text_1d = value_and_grad(mk.causal_mask(3), (2, 9, 8))
+    assert "tpu_custom_call" not in text_1d and "stablehlo.convolution" in text_1d
+
+
 @pytest.mark.parametrize("name", tiered(sorted(LOWERING_CASES), lambda n: n.startswith("2d_N1_H7")))
 def test_value_and_grad_lowers_for_tpu_to_three_named_mosaic_kernels_and_no_convolution(name):
     x_shape, k_shape, mask, kw, dtype = LOWERING_CASES[name]
@@ -83,8 +98,12 @@ def test_needs_a_tpu_or_interpret_mode():
     assert record.unsupported(spec, "cpu", interpret=True) is None
     for platform in ("cpu", "cuda", "rocm"):
         assert "lower for TPUs (tpu) only" in record.unsupported(spec, platform, interpret=False)
-    # Named only: implementation=None does not try it, on any platform.
-    assert implementation_for(spec, platform="tpu") == "xla"
+    # implementation=None: the TPU's default for the 2-D problems it runs, and only there.
+    assert implementation_for(spec, platform="tpu") == IMPL
+    assert IMPL not in (implementation_for(spec, platform="cpu"), implementation_for(spec, platform="cuda"))
+    spec_1d = make_spec(jnp.ones((1, 9, 2)), jnp.ones((3, 2, 2)), mk.causal_mask(3))
+    assert record.unsupported(spec_1d, "tpu") is None and "2-D" in record.not_preferred(spec_1d, "tpu")
+    assert implementation_for(spec_1d, platform="tpu") == "xla"
     # Named, it traces anywhere and refuses only when lowered for a platform it cannot run on.
     f = jax.jit(lambda x, k: mk.masked_conv(x, k, mask, implementation=IMPL))
     with pytest.raises(NotImplementedError, match='lowered for platform "cpu".*interpret=True'):

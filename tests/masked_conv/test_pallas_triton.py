@@ -236,7 +236,7 @@ def test_needs_a_gpu_or_interpret_mode():
     assert implementation_for(spec, platform="cpu") == "xla"
     assert implementation_for(spec, platform="cuda") == "pallas_triton"
     assert implementation_for(spec, platform="cpu", interpret=True) == "xla"
-    assert implementation_for(spec, platform="tpu", interpret=True) == "xla"
+    assert implementation_for(spec, platform="tpu", interpret=True) == "pallas_mosaic_tpu"  # the TPU's own
     # Named, it traces anywhere and refuses only when lowered for a platform it cannot run on.
     f = jax.jit(lambda x, k: mk.masked_conv(x, k, mask, implementation="pallas_triton"))
     with pytest.raises(NotImplementedError, match='lowered for platform "cpu".*interpret=True'):

@@ -58,14 +58,18 @@ REGISTRY = Registry(
             "pallas_mosaic_gpu", f"{_PACKAGE}.pallas_mosaic_gpu", platforms=_CUDA, interpreter="effects", traits=_KERNELS,
         ),
         # Pallas kernels lowered through Mosaic for TPUs; interpreted by Pallas' interpret=True
-        # mode, traced inline (no host callbacks). Named only, for now.
+        # mode, traced inline (no host callbacks).
         Implementation("pallas_mosaic_tpu", f"{_PACKAGE}.pallas_mosaic_tpu", platforms=("tpu",), traits=_KERNELS),
     ),
     # Tried in order by implementation=None, per lowering platform; "xla" runs everything.
     # pallas_triton first on NVIDIA GPUs: on an H200 its kernels (per-kernel default
     # tiles) beat pallas_mosaic_gpu's at both headline shapes, and Mosaic GPU takes a
-    # subset of its problems (docs/performance.md#h200). ROCm: no kernel is tested there.
-    {"cpu": ("xla",), "cuda": ("pallas_triton", "pallas_mosaic_gpu", "xla"), "rocm": ("xla",), "tpu": ("xla",)},
+    # subset of its problems (docs/performance.md#h200). pallas_mosaic_tpu first on TPUs,
+    # for the 2-D problems it takes (its not_preferred): on a TPU v5e it beat lax.conv and
+    # xla's per-box convolutions at 3x3 and 5x5 type B (docs/performance.md, TPU v5e).
+    # ROCm: no kernel is tested there.
+    {"cpu": ("xla",), "cuda": ("pallas_triton", "pallas_mosaic_gpu", "xla"), "rocm": ("xla",),
+     "tpu": ("pallas_mosaic_tpu", "xla")},
     _requirements,
 )
 BACKENDS = REGISTRY.by_name
