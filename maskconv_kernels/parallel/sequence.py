@@ -75,6 +75,7 @@ def sequence_sharded_causal_conv1d(
     axis_name: str,
     batch_axis: str | tuple[str, ...] | None = None,
     segment_ids: jax.typing.ArrayLike | None = None,
+    padding_id: int | None = None,
     initial_state: jax.typing.ArrayLike | None = None,
     return_final_state: bool = False,
     activation: str | None = None,
@@ -117,6 +118,8 @@ def sequence_sharded_causal_conv1d(
       batch_axis: mesh axis (or axes) that also split ``B``, or ``None``.
       segment_ids: ``None`` or integers ``(B, L)``, split like ``x``: packed documents,
         negative ids padding, as in ``causal_conv1d``.
+      padding_id: ``None`` or the segment id that also marks padding (MaxText's ``0``),
+        as in ``causal_conv1d``.
       initial_state: ``(B, (W - 1) * dilation, D)`` in x's dtype, or ``None``; split like
         ``B``. The inputs before position 0 (of each row's first document).
       return_final_state: also return the state after ``x``, ``(B, (W - 1) * dilation, D)``
@@ -140,7 +143,7 @@ def sequence_sharded_causal_conv1d(
       TypeError: as in ``causal_conv1d``.
     """
     problem, x, weight, bias, segment_ids, initial_state = make_problem(
-        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation,
+        x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation, padding_id=padding_id,
     )
     length, state_len = problem.length, problem.state_len
     shards = _shards(mesh, axis_name)

@@ -35,6 +35,7 @@ def causal_conv1d(
     bias: jax.typing.ArrayLike | None = None,
     *,
     segment_ids: jax.typing.ArrayLike | None = None,
+    padding_id: int | None = None,
     initial_state: jax.typing.ArrayLike | None = None,
     return_final_state: bool = False,
     activation: str | None = None,
@@ -53,7 +54,12 @@ def causal_conv1d(
       bias: ``(D,)`` or ``None``.
       segment_ids: ``(B, L)`` integers or ``None``: packed documents. No tap crosses a
         document boundary; negative ids mark padding, whose outputs are zero and which
-        receives no gradient.
+        receives no gradient (and, with ``padding_id``, ids equal to it).
+      padding_id: ``None`` or the segment id that marks padding besides the negative
+        ones: MaxText's convention, ``padding_id=0`` (documents ``1, 2, ...``, padding
+        ``0``). Never guessed from the values: without it, id ``0`` is a document, and
+        the final state of a right-padded row is its padding's inputs. Only with
+        ``segment_ids``.
       positions: ``(B, L)`` integers or ``None``: packed documents described by position
         instead (RecurrentGemma's ``segment_pos``, MaxText's positions): ``0`` starts a
         document, anywhere; a negative position is padding. Exclusive with
@@ -66,8 +72,8 @@ def causal_conv1d(
         to each row's first document.
       return_final_state: also return the state after ``x``: its last ``(W - 1) *
         dilation`` inputs (the initial state's too, if ``x`` is shorter), in x's dtype;
-        with ``segment_ids``, those of each row's last document (zeros before its start
-        and in an all-padding row).
+        with ``segment_ids``, those of each row's last document, up to its last
+        non-padding token (zeros before its start and in an all-padding row).
       activation: ``None`` or ``"silu"`` (``"swish"``).
       dilation: the taps' spacing.
       implementation: ``None`` or one of :data:`IMPLEMENTATIONS`: ``"xla"``
@@ -92,6 +98,7 @@ def causal_conv1d(
     """
     problem, x, weight, bias, ids, initial_state = make_problem(
         x, weight, bias, segment_ids, initial_state, activation=activation, dilation=dilation, positions=positions,
+        padding_id=padding_id,
     )
     y = forward(OP, problem, x, weight, bias, ids, initial_state, implementation=implementation, interpret=interpret,
                 config=config)

@@ -98,19 +98,20 @@ def check_state(name: str, state, batch: int, state_len: int, d: int, dtype, err
 
 
 def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, activation=None, dilation=1,
-                 positions=None):
+                 positions=None, padding_id=None):
     """The arguments checked: ``(problem, x, weight, bias, segment_ids, initial_state)``, arrays as arrays.
 
     ``positions`` (packing by positions) comes back as segment ids
     (:func:`~maskconv_kernels._core.args.segment_ids_of_positions`), with the state of a row
-    whose first token starts a document replaced by zeros (selected, so never read).
+    whose first token starts a document replaced by zeros (selected, so never read);
+    segment ids equal to ``padding_id`` come back as ``-1`` (:func:`ids_of`).
     """
     check_activation(activation)
     with OP.words():
         x, weight = as_operand("x", x), as_operand("weight", weight)
         bias = None if bias is None else as_operand("bias", bias)
     _, d, state_len = check_operands(x, weight, bias, dilation)
-    ids = ids_of(segment_ids, positions, x.shape[:-1], "x's shape without D, (B, L)")
+    ids = ids_of(segment_ids, positions, x.shape[:-1], "x's shape without D, (B, L)", padding_id=padding_id)
     if initial_state is not None:
         initial_state = as_operand("initial_state", initial_state)
         check_state("initial_state", initial_state, x.shape[0], state_len, d, x.dtype)
@@ -120,13 +121,23 @@ def make_problem(x, weight, bias=None, segment_ids=None, initial_state=None, *, 
     return problem, x, weight, bias, ids, initial_state
 
 
-def ids_of(segment_ids, positions, shape, what: str, err: OpError = OP):
-    """Segment ids from either packing convention (``None`` for neither); both is an error."""
+def ids_of(segment_ids, positions, shape, what: str, err: OpError = OP, *, padding_id=None):
+    """Segment ids from either packing convention (``None`` for neither); both is an error.
+
+    ``padding_id``: the id that marks padding in ``segment_ids`` (MaxText's ``0``), or
+    ``None`` (negative ids only). Ids equal to it come back as ``-1``, the library's own
+    padding, so nothing after this reads the caller's convention; negative ids stay
+    padding. Explicit, never guessed from the values: a row of ids ``0, 0, 1`` is two
+    documents without it and padding then one document with ``padding_id=0``.
+    """
+    if padding_id is not None:
+        check_padding_id(padding_id, segment_ids, positions, err)
     if positions is None:
         if segment_ids is None:
             return None
         with err.words():
-            return as_segment_ids(segment_ids, shape, what)
+            ids = as_segment_ids(segment_ids, shape, what)
+        return ids if padding_id is None else jnp.where(ids == padding_id, jnp.asarray(-1, ids.dtype), ids)
     if segment_ids is not None:
         raise err.value(
             "pass segment_ids or positions, not both: they are two ways to say where documents start "
@@ -134,6 +145,19 @@ def ids_of(segment_ids, positions, shape, what: str, err: OpError = OP):
         )
     with err.words():
         return segment_ids_of_positions(positions, shape, what)
+
+
+def check_padding_id(padding_id, segment_ids, positions, err: OpError = OP) -> None:
+    """``padding_id`` is an int, and comes with ``segment_ids`` (the ids it speaks of)."""
+    if not is_int(padding_id):
+        raise err.type(f"padding_id must be an int (the segment id that marks padding, MaxText's 0) or None, got "
+                       f"{padding_id!r}")
+    if positions is not None:
+        raise err.value("padding_id says which segment id marks padding; with positions, padding is a negative "
+                        "position: pass segment_ids with padding_id, or positions without it")
+    if segment_ids is None:
+        raise err.value("padding_id says which segment id marks padding, but no segment_ids were given: pass "
+                        "segment_ids with it, or drop padding_id")
 
 
 def unread_before_a_start(state, ids):
