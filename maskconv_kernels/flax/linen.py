@@ -192,9 +192,8 @@ class ShortConv(nn.Module):
       use_bias: add a ``(D,)`` bias (Mamba: yes; gated DeltaNet: no).
       activation: ``None`` or ``"silu"`` (``"swish"``), applied in float32 after the bias.
       dtype: the dtype of the outputs and of the decode state (the input is cast to it);
-        ``None`` keeps the input's. The weight and bias stay in ``param_dtype``: products
-        in the wider dtype, accumulated in float32 (Mamba's float32 weights with bfloat16
-        activations).
+        ``None`` keeps the input's (with ``arithmetic="wide"``; otherwise the promoted one
+        of the input and parameters, as Flax's).
       param_dtype: the dtype of ``weight`` and ``bias``.
       weight_init: initialiser of ``weight`` (default PyTorch's, as above).
       bias_init: initialiser of ``bias``; ``None`` is PyTorch's ``uniform(±1/sqrt(kernel_size))``.
@@ -204,12 +203,30 @@ class ShortConv(nn.Module):
         (``(N, (kernel_size - 1) * dilation, D)``, zeros), then each ``apply(...,
         mutable=["cache"])`` consumes one or several tokens ``(N, T, D)`` (or, with
         ``state_indices``, ``(B, T, D)`` for ``B`` of the ``N`` slots) and returns their
-        outputs, through :func:`maskconv_kernels.causal_conv1d_update`.
+        outputs, through :func:`maskconv_kernels.causal_conv1d_update`. A state the model
+        already holds (MaxText's ``(B, K - 1, D)`` conv state) is the collection itself:
+        ``{"params": ..., "cache": {"conv_state": state}}``.
       context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
         split of the sequence: the full pass takes ``x`` (and ``segment_ids``,
         ``positions``) sharded along ``L`` in its layout and runs
         :func:`~maskconv_kernels.parallel.sequence_sharded_causal_conv1d` (bit for bit
         the one-device outputs); decode steps are not split.
+      padding: ``"CAUSAL"`` (the default) or ``((kernel_size - 1) * dilation, 0)``: what a
+        Flax conv's causal padding says, kept so that a port keeps its arguments; any
+        other padding raises (a ``ShortConv`` never reads a later position).
+      padding_id: ``None``, or the segment id that marks padding besides the negative ones
+        (MaxText's ``0``), as :func:`maskconv_kernels.causal_conv1d` takes it: its
+        positions have zero outputs, no gradient, and the final state comes from each
+        row's last other token.
+      arithmetic: how the weight and bias meet the input: ``"wide"`` (the default: they
+        stay in ``param_dtype``, products in the wider dtype, float32 accumulation, bias and
+        activation in float32, one rounding; Mamba's float32 weights with bfloat16
+        activations), ``"promote"`` (input, weight and bias cast to one computation dtype
+        first, as Flax's ``promote_dtype``, then as ``"wide"``: the library's
+        ``CausalConv``) or ``"nn_conv"`` (``nn.Conv(dtype=...)`` then the activation: the
+        promoted convolution rounded, the bias added in the computation dtype, the
+        activation in float32 on that, rounded). :meth:`from_conv` picks the converted
+        layer's.
     """
 
     kernel_size: int
@@ -223,17 +240,57 @@ class ShortConv(nn.Module):
     implementation: str | None = None
     decode: bool = False
     context_parallel: ContextParallel | None = None
+    padding: PaddingLike = "CAUSAL"
+    padding_id: int | None = None
+    arithmetic: str = "wide"
+
+    def __post_init__(self):
+        _short_conv.check_padding(self.padding, self.kernel_size, self.dilation)
+        _short_conv.check_arithmetic(self.arithmetic)
+        super().__post_init__()
+
+    @classmethod
+    def from_conv(
+        cls, conv: nn.Module, *, activation: str | None = None, implementation: str | None = None,
+        decode: bool = False, padding_id: int | None = None, **fields,
+    ) -> "ShortConv":
+        """The ``ShortConv`` that computes what a depthwise causal 1-D convolution computes, bit for bit.
+
+        ``conv``: ``nn.Conv(D, (W,), feature_group_count=D, padding="CAUSAL")`` (or padding
+        ``((W - 1) * kernel_dilation, 0)``), stride 1, no mask, no input dilation; or this
+        library's 1-D ``CausalConv`` with ``padding_mode="zeros"``. Its kernel dilation,
+        bias, ``dtype`` and ``param_dtype`` are kept, and its arithmetic (``"nn_conv"`` for
+        a Flax conv, which rounds its float32 weight to a bfloat16 ``dtype`` before it
+        convolves; ``"promote"`` for a ``CausalConv``). Its parameters convert with
+        :func:`~maskconv_kernels.flax.from_conv_params`. ``activation``, ``implementation``,
+        ``decode``, ``padding_id`` and ``fields`` (``name=``, ``context_parallel=``): the
+        new module's::
+
+            >>> import flax.linen as nn, jax, jax.numpy as jnp
+            >>> from maskconv_kernels.flax import ShortConv, from_conv_params
+            >>> conv = nn.Conv(8, (4,), feature_group_count=8, padding="CAUSAL", use_bias=False,
+            ...                dtype=jnp.bfloat16)              # MaxText's gated DeltaNet conv
+            >>> x = jax.random.normal(jax.random.key(0), (2, 16, 8))
+            >>> conv_variables = conv.init(jax.random.key(1), x)
+            >>> short = ShortConv.from_conv(conv)
+            >>> y = short.apply(from_conv_params(conv_variables), x)
+            >>> y.dtype, bool((y == conv.apply(conv_variables, x)).all())
+            (dtype(bfloat16), True)
+        """
+        causal = isinstance(conv, CausalConv)
+        return cls(**_short_conv.conv_fields(conv, causal_conv=causal), activation=activation,
+                   implementation=implementation, decode=decode, padding_id=padding_id, **fields)
 
     @nn.compact
     def __call__(
         self, x: jax.Array, segment_ids: jax.Array | None = None, *, state_indices=None, has_initial_state=None,
-        positions: jax.Array | None = None,
-    ) -> jax.Array:
+        positions: jax.Array | None = None, initial_state: jax.Array | None = None, return_final_state: bool = False,
+    ):
         """The convolution, or (decoding) the next tokens.
 
         Args:
           x: ``(N, L, D)``; when decoding, ``(N, T, D)`` (or ``(B, T, D)`` with ``state_indices``).
-          segment_ids: ``(N, L)`` packed documents (negative: padding), as in
+          segment_ids: ``(N, L)`` packed documents (negative, or ``padding_id``: padding), as in
             :func:`causal_conv1d`; not when decoding.
           state_indices, has_initial_state: decoding only, as in :func:`~maskconv_kernels.causal_conv1d_update`:
             each row's slot of the state (``-1``: a row without a request), and where a
@@ -242,9 +299,17 @@ class ShortConv(nn.Module):
             document, RecurrentGemma's ``segment_pos``: packing by positions instead of
             ``segment_ids`` (a 0 starts a document, negative is padding), also when
             decoding, where a document may start inside the chunk.
+          initial_state: full pass only: ``(N, (kernel_size - 1) * dilation, D)`` in the
+            computation dtype, the inputs before ``x[:, 0]`` (a state the model keeps in its
+            own cache, MaxText's conv state), as :func:`causal_conv1d` takes it.
+          return_final_state: full pass only: also return the state after ``x`` (each
+            row's last inputs; with packing, of its last document up to its last real
+            token), as :func:`causal_conv1d` returns it.
 
         Returns:
-          ``(N, L, D)`` (decoding: shaped like ``x``) in ``dtype``, else x's dtype.
+          ``(N, L, D)`` (decoding: shaped like ``x``) in ``dtype``, else x's dtype (the
+          promoted one for ``arithmetic`` other than ``"wide"``); with
+          ``return_final_state``, ``(y, final_state)``.
         """
         d = jnp.shape(x)[-1]
         weight = self.param("weight", self.weight_init, (self.kernel_size, d), self.param_dtype)
@@ -252,8 +317,8 @@ class ShortConv(nn.Module):
         if self.use_bias:
             bias_init = _short_conv.bias_init_for(self.kernel_size, self.bias_init)
             bias = self.param("bias", bias_init, (d,), self.param_dtype)
-        if self.dtype is not None:
-            x = jnp.asarray(x, self.dtype)
+        if self.decode:
+            _short_conv.refuse_full_pass_states(initial_state, return_final_state, 'the "cache" collection\'s conv_state')
         if self.decode and self.has_variable("cache", "conv_state"):
             state = self.variable("cache", "conv_state")
             y, state.value = _short_conv.decode_step(
@@ -263,9 +328,11 @@ class ShortConv(nn.Module):
             return y
         _short_conv.refuse_state_arguments(state_indices, has_initial_state, "init allocated the cache")
         if self.decode:
+            x_dtype = _short_conv.operands(self, x, weight, bias)[0].dtype
             shape = _short_conv.state_shape(jnp.shape(x), self.kernel_size, self.dilation, d)
-            self.variable("cache", "conv_state", jnp.zeros, shape, x.dtype)
-        return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions)
+            self.variable("cache", "conv_state", jnp.zeros, shape, x_dtype)
+        return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions, initial_state=initial_state,
+                                     return_final_state=return_final_state)
 
 
 class CausalConv(nn.Module):

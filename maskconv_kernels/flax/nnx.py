@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
-from flax.linen.linear import canonicalize_padding
 from flax.nnx.nn.linear import default_bias_init, default_kernel_init
 from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
@@ -228,11 +227,12 @@ class ShortConv(nnx.Module):
       features: the channels ``D``.
       kernel_size: the width ``W``.
       dilation, use_bias, activation, dtype, param_dtype, weight_init, bias_init,
-        implementation: as in the linen :class:`maskconv_kernels.flax.ShortConv`.
+        implementation, padding, padding_id, arithmetic: as in the linen
+        :class:`maskconv_kernels.flax.ShortConv`.
       rngs: draws ``weight``, then ``bias``.
       decode: Flax's decode convention (as ``MaskedConv(decode=True)``): :meth:`init_cache`
-        allocates ``conv_state`` (an ``nnx.Cache``), then each call consumes one or several
-        tokens ``(N, T, features)`` through
+        allocates ``conv_state`` (an ``nnx.Cache``), or adopts a state the model already
+        holds, then each call consumes one or several tokens ``(N, T, features)`` through
         :func:`maskconv_kernels.causal_conv1d_update`.
       context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
         split of the sequence, as the linen module's.
@@ -254,7 +254,12 @@ class ShortConv(nnx.Module):
         rngs: nnx.Rngs,
         decode: bool = False,
         context_parallel: ContextParallel | None = None,
+        padding: PaddingLike = "CAUSAL",
+        padding_id: int | None = None,
+        arithmetic: str = "wide",
     ):
+        _short_conv.check_padding(padding, kernel_size, dilation)
+        _short_conv.check_arithmetic(arithmetic)
         self.weight = nnx.Param(weight_init(rngs.params(), (kernel_size, features), param_dtype))
         self.bias: nnx.Param | None
         if use_bias:
@@ -272,55 +277,72 @@ class ShortConv(nnx.Module):
         self.implementation = implementation
         self.decode = decode
         self.context_parallel = context_parallel
+        self.padding = padding
+        self.padding_id = padding_id
+        self.arithmetic = arithmetic
         self.conv_state: nnx.Cache | None = nnx.data(None)
 
     @classmethod
     def from_conv(
-        cls, conv: nnx.Conv, *, activation: str | None = None, implementation: str | None = None,
-        decode: bool = False,
+        cls, conv: nnx.Module, *, activation: str | None = None, implementation: str | None = None,
+        decode: bool = False, padding_id: int | None = None, context_parallel: ContextParallel | None = None,
     ) -> "ShortConv":
-        """The ``ShortConv`` with a depthwise causal ``nnx.Conv``'s parameters, computing what it computes.
+        """The ``ShortConv`` with a depthwise causal 1-D convolution's parameters, computing what it computes, bit for bit.
 
         ``conv``: ``nnx.Conv(D, D, W, feature_group_count=D, padding="CAUSAL")`` (or
-        padding ``((W - 1) * kernel_dilation, 0)``), stride 1, no mask, no input dilation:
-        its ``kernel (W, 1, D)`` becomes ``weight (W, D)`` (:func:`~maskconv_kernels.flax.from_conv_params`),
-        its bias, dtypes and kernel dilation are kept. ``activation``, ``implementation``,
-        ``decode``: the new module's.
+        padding ``((W - 1) * kernel_dilation, 0)``; MaxText's gated DeltaNet conv), stride
+        1, no mask, no input dilation; or this library's 1-D
+        :class:`~maskconv_kernels.flax.nnx.CausalConv` ``(D, D, W, feature_group_count=D)``
+        with ``padding_mode="zeros"``. Its ``kernel (W, 1, D)`` becomes ``weight (W, D)``
+        (:func:`~maskconv_kernels.flax.from_conv_params`); its bias, kernel dilation,
+        ``dtype``, ``param_dtype`` and arithmetic are kept: an ``nnx.Conv(dtype=bfloat16,
+        param_dtype=float32)`` rounds its weight to bfloat16 before it convolves, and so
+        does the ``ShortConv`` (``arithmetic="nn_conv"``; ``"promote"`` from a
+        ``CausalConv``). ``activation``, ``implementation``, ``decode``, ``padding_id``,
+        ``context_parallel``: the new module's.
         """
-        d, kernel = conv.in_features, conv.kernel[...]
-        window = _conv.kernel_size_tuple(conv.kernel_size)
-        dilation = _conv.kernel_size_tuple(conv.kernel_dilation or 1)[0]  # an int or one per dim, as kernel_size
-        problems = []
-        if len(window) != 1 or not (conv.feature_group_count == d == conv.out_features):
-            problems.append(
-                "a depthwise 1-D convolution (kernel_size (W,), feature_group_count = in_features = out_features), "
-                f"got kernel {tuple(kernel.shape)} with feature_group_count={conv.feature_group_count}"
-            )
-        elif canonicalize_padding(conv.padding, 1) not in ("CAUSAL", [((window[0] - 1) * dilation, 0)]):
-            problems.append(f"a causal padding, 'CAUSAL' or (({(window[0] - 1) * dilation}, 0),), got {conv.padding!r}")
-        if any(v not in (None, 1, (1,)) for v in (conv.strides, conv.input_dilation)) or conv.mask is not None:
-            problems.append("stride 1, no input dilation and no mask")
-        if problems:
-            raise ValueError(f"ShortConv.from_conv needs {'; and '.join(problems)}")
+        fields = _short_conv.conv_fields(conv, causal_conv=isinstance(conv, CausalConv))
+        kernel = conv.kernel[...]
         params = _short_conv.from_conv_params(
             {"kernel": kernel, **({"bias": conv.bias[...]} if conv.bias is not None else {})}
         )
+        width = fields.pop("kernel_size")
         module = cls(
-            d, window[0], dilation=dilation, use_bias=conv.bias is not None, activation=activation, dtype=conv.dtype,
-            param_dtype=conv.param_dtype, implementation=implementation, rngs=nnx.Rngs(0), decode=decode,
+            kernel.shape[-1], width, **fields, activation=activation, implementation=implementation,
+            rngs=nnx.Rngs(0), decode=decode, padding_id=padding_id, context_parallel=context_parallel,
         )
         module.weight[...] = params["weight"]
         if conv.bias is not None:
             module.bias[...] = params["bias"]
         return module
 
-    def init_cache(self, input_shape: tp.Sequence[int], dtype: Dtype | None = None) -> None:
-        """Allocates ``conv_state``, zeros ``(N, (kernel_size - 1) * dilation, features)``, for inputs ``(N, L, D)``.
+    def init_cache(self, input_shape: tp.Sequence[int] | None = None, dtype: Dtype | None = None, *,
+                   state: jax.typing.ArrayLike | None = None) -> None:
+        """Allocates ``conv_state``, zeros ``(N, (kernel_size - 1) * dilation, features)``, for inputs ``(N, L, D)``;
+        or adopts ``state``.
 
         ``dtype``: the decoded inputs' (default the module's ``dtype``, else float32).
-        Call it before decoding, as ``nnx.MultiHeadAttention.init_cache``; calling it again
-        starts new sequences.
+        ``state``: instead of zeros, a state the model already holds, the last ``(kernel_size
+        - 1) * dilation`` inputs of each row, oldest first (MaxText's ``(B, K - 1, D)`` conv
+        state; a full pass's ``return_final_state``): ``input_shape`` and ``dtype`` are then
+        its own. Call it before decoding, as ``nnx.MultiHeadAttention.init_cache``; calling
+        it again starts new sequences.
         """
+        if state is not None:
+            state = jnp.asarray(state)
+            window = (self.kernel_size - 1) * self.dilation
+            if input_shape is not None or dtype is not None or tuple(state.shape[1:]) != (window, self.features) \
+                    or state.ndim != 3:
+                raise ValueError(
+                    f"init_cache(state=...) adopts a state (N, (kernel_size - 1) * dilation, features) = (N, {window}, "
+                    f"{self.features}) with its own shape and dtype (no input_shape or dtype), got shape "
+                    f"{tuple(state.shape)}" + (" and input_shape or dtype" if input_shape is not None or dtype is not None
+                                               else "")
+                )
+            self.conv_state = nnx.Cache(state)
+            return
+        if input_shape is None:
+            raise ValueError("init_cache needs input_shape, the full-size input's (N, L, features), or state=")
         shape = _short_conv.state_shape(tuple(input_shape), self.kernel_size, self.dilation, self.features)
         if dtype is None:
             dtype = jnp.float32 if self.dtype is None else self.dtype
@@ -329,17 +351,21 @@ class ShortConv(nnx.Module):
     def __call__(
         self, x: jax.Array, segment_ids: jax.Array | None = None, *, decode: bool | None = None,
         state_indices=None, has_initial_state=None, positions: jax.Array | None = None,
-    ) -> jax.Array:
+        initial_state: jax.Array | None = None, return_final_state: bool = False,
+    ):
         """The convolution, or (decoding) the next tokens.
 
         Args:
           x: ``(N, L, features)``; when decoding, ``(N, T, features)`` (or ``(B, T,
             features)`` with ``state_indices``).
-          segment_ids: ``(N, L)`` packed documents, as in :func:`causal_conv1d`; not when decoding.
+          segment_ids: ``(N, L)`` packed documents (negative, or ``padding_id``: padding),
+            as in :func:`causal_conv1d`; not when decoding.
           decode: overrides the module's ``decode`` for this call.
           state_indices, has_initial_state: decoding only, as in :func:`~maskconv_kernels.causal_conv1d_update`.
           positions: ``(N, L)`` (decoding: ``(N, T)``) each token's position in its
             document, as in the linen module: packing by positions, also when decoding.
+          initial_state, return_final_state: the full pass's state, as in the linen module
+            (:func:`causal_conv1d`'s): then ``(y, final_state)``.
         """
         if jnp.shape(x)[-1] != self.features:
             raise ValueError(
@@ -348,11 +374,11 @@ class ShortConv(nnx.Module):
             )
         weight = self.weight[...]
         bias = self.bias[...] if self.bias is not None else None
-        if self.dtype is not None:
-            x = jnp.asarray(x, self.dtype)
         if not (self.decode if decode is None else decode):
             _short_conv.refuse_state_arguments(state_indices, has_initial_state, "init_cache")
-            return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions)
+            return _short_conv.full_pass(self, x, weight, bias, segment_ids, positions, initial_state=initial_state,
+                                         return_final_state=return_final_state)
+        _short_conv.refuse_full_pass_states(initial_state, return_final_state, "conv_state (init_cache)")
         if self.conv_state is None:
             raise ValueError("decode state not initialized: call init_cache(input_shape) first")
         y, self.conv_state[...] = _short_conv.decode_step(
