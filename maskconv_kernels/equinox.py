@@ -30,7 +30,7 @@ from maskconv_kernels._core.args import as_segment_ids, is_int
 from maskconv_kernels._extras import require
 from maskconv_kernels._modules import concrete_mask, pad_with_copies, refuse_segment_ids_with_copies
 from maskconv_kernels.masks import Mask, as_mask
-from maskconv_kernels.ops.causal_conv import causal_conv, causal_conv_stream, causal_conv_stream_init
+from maskconv_kernels.ops.causal_conv import CausalConvState, causal_conv, causal_conv_stream, causal_conv_stream_init
 from maskconv_kernels.ops.masked_conv import masked_conv
 from maskconv_kernels.ops.masked_conv.layout import Layout
 from maskconv_kernels.parallel.context import ContextParallel
@@ -249,7 +249,8 @@ class CausalConv(eqx.nn.StatefulLayer):
       padding: the non-time axes' only: ``"SAME"`` (the default, not Equinox's ``0``:
         a video layer keeps its frame size), ``"VALID"``, an int, or one int or
         ``(lo, hi)`` pair per non-time axis. Time's is the layer's own,
-        ``((k_T - 1) * d_T, 0)``.
+        ``((k_T - 1) * d_T, 0)`` (``"CAUSAL"``, Flax's word for it, is taken by a 1-D
+        layer, which has no other axis).
       padding_mode: the frames before frame 0: ``"zeros"`` or ``"replicate"`` (Equinox's
         ``"ZEROS"`` and ``"REPLICATE"`` spell the same); the other axes are zero-padded.
       stream: hold a stream's state (an ``eqx.nn.StateIndex``), so that the layer takes
@@ -348,28 +349,40 @@ class CausalConv(eqx.nn.StatefulLayer):
         )
 
     def __call__(self, x: jax.Array, state=None, *, segment_ids: jax.Array | None = None,
-                 key: jax.Array | None = None):
+                 key: jax.Array | None = None, initial_state: CausalConvState | None = None,
+                 return_final_state: bool = False):
         """The full pass, ``layer(x) -> y``, or the stream's next chunk, ``layer(x_chunk, state) -> (y, state)``.
 
         Args:
           x: ``(in_channels, T, *spatial)``, unbatched (``jax.vmap`` over a batch).
           state: ``None``, or the ``eqx.nn.State`` holding this layer's stream (its
-            initial one from ``eqx.nn.make_with_state``, then each call's).
+            initial one from ``eqx.nn.make_with_state``, then each call's; a state the
+            model already has is adopted with ``state.set(layer.state_index, s)``, ``s``
+            from :func:`~maskconv_kernels.ops.causal_conv.causal_conv_stream_init` with
+            ``frames=``).
           segment_ids: ``None`` or integers ``(T, *spatial)``: clips packed along time, no
             tap crossing a clip (negative ids: padding, zero outputs). Needs
             ``padding_mode="zeros"``, stride 1 and ``"SAME"``; in a stream, with every
             chunk of a layer built with ``segmented=True``.
           key: ignored, as in Equinox.
+          initial_state: the full pass from a state, without an ``eqx.nn.State``: ``None`` or
+            the example's :class:`~maskconv_kernels.ops.causal_conv.CausalConvState` (a batch
+            of one, channels-last frames ``(1, F, *spatial, in_channels)``), as
+            :func:`~maskconv_kernels.causal_conv_stream` takes it: the pass is then that
+            stream's chunk (after a started state, a multiple of ``s_T`` frames).
+          return_final_state: also return the state after ``x`` (without an ``eqx.nn.State``).
 
         Returns:
           ``(out_channels, floor((T - 1) / s_T) + 1, *out_spatial)`` in x's dtype
           (accumulated in float32, bias included, rounded once); with a state, the chunk's
-          outputs and the new state.
+          outputs and the new state; with ``return_final_state``, ``(y, final_state)``.
         """
         del key
         _check_rank(x, self.num_spatial_dims, "CausalConv")
         ids = None if segment_ids is None else _example_segment_ids(segment_ids, x.shape)
         bias = None if self.bias is None else self.bias.reshape(-1)
+        if initial_state is not None or return_final_state:
+            return self._from_state(x, state, ids, bias, initial_state, return_final_state)
         if state is None:
             conv = causal_conv if self.context_parallel is None else self.context_parallel.causal_conv
             return conv(x[None], self.weight, bias, segment_ids=ids, **self._kwargs())[0]
@@ -381,6 +394,22 @@ class CausalConv(eqx.nn.StatefulLayer):
         y, new = causal_conv_stream(x[None], state.get(self.state_index), self.weight, bias, segment_ids=ids,
                                     **self._kwargs())
         return y[0], state.set(self.state_index, new)
+
+
+    def _from_state(self, x, state, ids, bias, initial_state, return_final_state):
+        """The full pass as a stream's chunk from ``initial_state`` (or ``None``): ``y`` or ``(y, final_state)``."""
+        if state is not None:
+            raise ValueError(
+                "pass an eqx.nn.State (the layer's stream) or initial_state / return_final_state (a pass with explicit "
+                "states), not both: adopt a state into the eqx.nn.State with state.set(layer.state_index, s)"
+            )
+        if self.context_parallel is not None:
+            raise ValueError(
+                "initial_state and return_final_state run the layer as a stream on one device, and context_parallel "
+                "splits the full pass only: call a layer without context_parallel for a pass with states"
+            )
+        y, new = causal_conv_stream(x[None], initial_state, self.weight, bias, segment_ids=ids, **self._kwargs())
+        return (y[0], new) if return_final_state else y[0]
 
 
 def _non_time_padding(padding, n: int):

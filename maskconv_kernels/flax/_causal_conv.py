@@ -23,7 +23,7 @@ from maskconv_kernels._core.args import as_segment_ids
 from maskconv_kernels.flax._conv import kernel_size_tuple
 from maskconv_kernels.ops.causal_conv import CausalConvState, causal_conv, causal_conv_stream, causal_conv_stream_init
 
-__all__ = ["CACHE_FIELDS", "Layer", "state_arrays", "state_from"]
+__all__ = ["CACHE_FIELDS", "Layer", "state_arrays", "state_from", "refuse_full_pass_states"]
 
 CACHE_FIELDS = ("frames", "offset", "started", "segment_ids")
 
@@ -36,6 +36,15 @@ def state_arrays(state: CausalConvState) -> dict[str, jax.Array]:
 def state_from(arrays: Mapping[str, Any]) -> CausalConvState:
     """The state rebuilt from :func:`state_arrays`' mapping (Flax variables' values)."""
     return CausalConvState(**{name: arrays.get(name) for name in CACHE_FIELDS})
+
+
+def refuse_full_pass_states(initial_state, return_final_state: bool, cache: str) -> None:
+    """Raises ``ValueError`` for the full pass's state arguments when decoding, where ``cache`` holds the state."""
+    if initial_state is not None or return_final_state:
+        raise ValueError(
+            f"initial_state and return_final_state are for the full pass (decode=False); a stream's state is {cache}: "
+            "adopt an existing state there instead"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +134,23 @@ class Layer:
         batch, x, ids = self._flat(inputs, segment_ids)
         y, state = causal_conv_stream(x, state, kernel, bias, segment_ids=ids, **self.kwargs())
         return y.reshape(*batch, *y.shape[1:]), state
+
+    def from_state(self, inputs, state: CausalConvState | None, kernel, bias, segment_ids, return_final_state: bool):
+        """The full pass given a state (``initial_state``) or asked for one (``return_final_state``):
+        :meth:`stream` on the whole input, ``y`` or ``(y, final_state)``.
+
+        A state is what a stream carries, so the pass is :func:`causal_conv_stream`'s: from
+        ``None`` its outputs are the full pass's (bit for bit where ``docs/causal_conv.md``
+        says the stream is), from a started state the input must be a multiple of ``s_T``
+        frames. The state's batch is the flattened batch dims.
+        """
+        if self.context_parallel is not None:
+            raise ValueError(
+                "initial_state and return_final_state run the layer as a stream on one device, and context_parallel "
+                "splits the full pass only: call the module without context_parallel for a pass with states"
+            )
+        y, state = self.stream(inputs, state, kernel, bias, segment_ids)
+        return (y, state) if return_final_state else y
 
     def initial_state(self, input_shape, dtype, kernel_shape, kernel_dtype, segmented: bool) -> CausalConvState:
         """The cache before a stream of inputs shaped ``input_shape`` (any length ``T``) in ``dtype``.

@@ -31,6 +31,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.flax._short_conv import from_conv_params
+from maskconv_kernels.ops.causal_conv import CausalConvState
 from maskconv_kernels.parallel.context import ContextParallel
 
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv", "from_conv_params"]
@@ -364,7 +365,8 @@ class CausalConv(nn.Module):
       strides: an int (every axis) or one per axis, time first; ``None`` is 1.
       padding: the non-time axes' only: ``"SAME"``, ``"VALID"``, an int, or one int or
         ``(lo, hi)`` pair per non-time axis. Time's is the layer's own,
-        ``((k_T - 1) * d_T, 0)``.
+        ``((k_T - 1) * d_T, 0)``; so ``"CAUSAL"`` (``nn.Conv``'s word for it) is taken by a
+        1-D layer, and refused, naming these, by one with other axes.
       padding_mode: the frames before frame 0: ``"zeros"`` or ``"replicate"`` (copies of
         frame 0, as Cosmos, CogVideoX and Wan).
       kernel_dilation: an int or one per axis, time first; ``None`` is 1.
@@ -412,8 +414,23 @@ class CausalConv(nn.Module):
     decode: bool = False
     context_parallel: ContextParallel | None = None
 
+    @staticmethod
+    def cache_from_state(state: CausalConvState) -> dict[str, jax.Array]:
+        """The ``"cache"`` collection holding ``state``, to decode from a state the model already has.
+
+        ``state``: a :class:`~maskconv_kernels.ops.causal_conv.CausalConvState`, from
+        :func:`~maskconv_kernels.ops.causal_conv.causal_conv_stream_init` with ``frames=``
+        (a cache of past frames, Wan's ``feat_cache``) or a full pass's
+        ``return_final_state``. ``apply({**variables, "cache": CausalConv.cache_from_state(state)},
+        chunk, mutable=["cache"])`` continues it.
+        """
+        return _causal_conv.state_arrays(state)
+
     @nn.compact
-    def __call__(self, inputs: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, inputs: jax.Array, segment_ids: jax.Array | None = None, *, initial_state: CausalConvState | None = None,
+        return_final_state: bool = False,
+    ):
         """The causal convolution of ``inputs``, or (decoding) of the stream's next chunk.
 
         Args:
@@ -423,16 +440,26 @@ class CausalConv(nn.Module):
             along time, no tap crossing a clip (negative ids: padding, zero outputs).
             Needs ``padding_mode="zeros"``, stride 1 and ``"SAME"``. When decoding, with
             every chunk of a stream whose ``init`` had them.
+          initial_state: full pass only: ``None`` or the
+            :class:`~maskconv_kernels.ops.causal_conv.CausalConvState` of the frames before
+            ``inputs`` (its batch the flattened batch dims), as
+            :func:`~maskconv_kernels.causal_conv_stream` takes it; the pass is then that
+            stream's chunk (after a started state, a multiple of ``s_T`` frames).
+          return_final_state: full pass only: also return the state after ``inputs``.
 
         Returns:
           ``(*batch_dims, floor((T - 1) / s_T) + 1, *out_spatial, features)`` (decoding:
-          the chunk's ``ceil(L / s_T)`` or ``L / s_T`` frames) in the computation dtype.
+          the chunk's ``ceil(L / s_T)`` or ``L / s_T`` frames) in the computation dtype;
+          with ``return_final_state``, ``(y, final_state)``.
         """
         layer = _causal_conv.Layer.of(self)
         shape = layer.kernel_shape(jnp.shape(inputs)[-1], self.features)
         kernel = self.param("kernel", self.kernel_init, shape, self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        if self.decode:
+            _causal_conv.refuse_full_pass_states(initial_state, return_final_state,
+                                                 'the "cache" collection (CausalConv.cache_from_state)')
         if self.decode and self.has_variable("cache", "frames"):
             cache = {name: self.variable("cache", name) for name in _causal_conv.CACHE_FIELDS
                      if self.has_variable("cache", name)}
@@ -445,4 +472,6 @@ class CausalConv(nn.Module):
             state = layer.initial_state(inputs.shape, inputs.dtype, shape, kernel.dtype, segment_ids is not None)
             for name, value in _causal_conv.state_arrays(state).items():
                 self.variable("cache", name, lambda value=value: value)
+        if initial_state is not None or return_final_state:
+            return layer.from_state(inputs, initial_state, kernel, bias, segment_ids, return_final_state)
         return layer(inputs, kernel, bias, segment_ids)

@@ -23,6 +23,7 @@ from flax.typing import Dtype, Initializer, PaddingLike, PrecisionLike
 
 from maskconv_kernels.flax import _causal_conv, _conv, _decode, _short_conv
 from maskconv_kernels.masks import as_mask
+from maskconv_kernels.ops.causal_conv import CausalConvState
 from maskconv_kernels.parallel.context import ContextParallel
 
 __all__ = ["Conv", "MaskedConv", "ShortConv", "CausalConv"]
@@ -473,23 +474,42 @@ class CausalConv(nnx.Module):
         self.started: nnx.Cache | None = nnx.data(None)
         self.segment_ids: nnx.Cache | None = nnx.data(None)
 
-    def init_cache(self, input_shape: tp.Sequence[int], dtype: Dtype | None = None, *, segmented: bool = False) -> None:
-        """Allocates the stream's state for chunks shaped ``input_shape`` ``(*batch_dims, L, *spatial, in_features)``.
+    def init_cache(self, input_shape: tp.Sequence[int] | None = None, dtype: Dtype | None = None, *,
+                   segmented: bool = False, state: CausalConvState | None = None) -> None:
+        """Allocates the stream's state for chunks shaped ``input_shape`` ``(*batch_dims, L, *spatial, in_features)``,
+        or adopts ``state``.
 
         ``L`` does not matter. ``dtype``: the chunks' after promotion (default the
         module's ``dtype``, else ``param_dtype``: what promotion gives for inputs no
-        wider). ``segmented``: every chunk will come with ``segment_ids``. Calling it
-        again starts a new stream.
+        wider). ``segmented``: every chunk will come with ``segment_ids``. ``state``:
+        instead, a :class:`~maskconv_kernels.ops.causal_conv.CausalConvState` the model
+        already has (:func:`~maskconv_kernels.ops.causal_conv.causal_conv_stream_init`
+        with ``frames=``, a cache of past frames such as Wan's ``feat_cache``; or a full
+        pass's ``return_final_state``), taken alone. Calling it again starts a new stream.
         """
-        if dtype is None:
-            dtype = self.param_dtype if self.dtype is None else self.dtype
-        state = _causal_conv.Layer.of(self).initial_state(
-            input_shape, dtype, self.kernel_shape, self.param_dtype, segmented)
+        if state is not None:
+            if input_shape is not None or dtype is not None or segmented:
+                raise ValueError("init_cache(state=...) adopts the state as it is: pass state alone (its frames say the "
+                                 "shape and dtype, its segment_ids whether it is packed)")
+            if not isinstance(state, CausalConvState):
+                raise TypeError(f"state must be a CausalConvState (causal_conv_stream_init(..., frames=...) makes one "
+                                f"from a cache of frames), got {type(state).__name__}")
+        elif input_shape is None:
+            raise ValueError("init_cache needs input_shape, the chunks' (*batch_dims, L, *spatial, in_features), or "
+                             "state=")
+        else:
+            if dtype is None:
+                dtype = self.param_dtype if self.dtype is None else self.dtype
+            state = _causal_conv.Layer.of(self).initial_state(
+                input_shape, dtype, self.kernel_shape, self.param_dtype, segmented)
         arrays = _causal_conv.state_arrays(state)
         for name in _causal_conv.CACHE_FIELDS:  # segment_ids too: None unless segmented
             setattr(self, name, nnx.Cache(arrays[name]) if name in arrays else nnx.data(None))
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None, *, decode: bool | None = None) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, segment_ids: jax.Array | None = None, *, decode: bool | None = None,
+        initial_state: CausalConvState | None = None, return_final_state: bool = False,
+    ):
         """The causal convolution of ``x``, or (decoding) of the stream's next chunk.
 
         Args:
@@ -498,10 +518,12 @@ class CausalConv(nnx.Module):
             module's (when decoding: with every chunk of a stream whose cache was
             allocated with ``segmented=True``).
           decode: overrides the module's ``decode`` for this call.
+          initial_state, return_final_state: the full pass's state, as the linen module's.
 
         Returns:
           ``(*batch_dims, floor((T - 1) / s_T) + 1, *out_spatial, out_features)``
-          (decoding: the chunk's outputs) in the computation dtype.
+          (decoding: the chunk's outputs) in the computation dtype; with
+          ``return_final_state``, ``(y, final_state)``.
         """
         if jnp.shape(x)[-1] != self.in_features:
             raise ValueError(
@@ -513,7 +535,10 @@ class CausalConv(nnx.Module):
         x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=self.dtype)
         layer = _causal_conv.Layer.of(self)
         if not (self.decode if decode is None else decode):
+            if initial_state is not None or return_final_state:
+                return layer.from_state(x, initial_state, kernel, bias, segment_ids, return_final_state)
             return layer(x, kernel, bias, segment_ids)
+        _causal_conv.refuse_full_pass_states(initial_state, return_final_state, "the module's cache (init_cache)")
         if self.frames is None:
             raise ValueError("decode cache not initialized: call init_cache(input_shape) first")
         cache = {name: getattr(self, name) for name in _causal_conv.CACHE_FIELDS if getattr(self, name) is not None}

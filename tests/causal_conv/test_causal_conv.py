@@ -249,7 +249,8 @@ def test_a_named_kernel_backend_refuses_segments_and_mosaic_refuses_strides():
 
 ERRORS = [
     (dict(padding_mode="reflect"), ValueError, r"causal_conv: padding_mode must be 'zeros'.*'reflect' reads frames after 0"),
-    (dict(padding="CAUSAL"), ValueError, r"causal_conv: padding must be 'SAME', 'VALID' or"),
+    (dict(padding="FULL"), ValueError, r"causal_conv: padding must be 'SAME', 'VALID' or"),
+    (dict(padding="CAUSAL"), ValueError, r"causal_conv: padding='CAUSAL' is nn.Conv's padding of a 1-D .*'SAME'"),
     (dict(padding=((1, 1), (1, 1))), ValueError, r"causal_conv: padding needs one \(lo, hi\) pair per spatial dim \(1\)"),
     (dict(strides=(1, 2, 3)), ValueError, r"causal_conv: strides must be an int or a tuple of 2 ints"),
     (dict(dilation=0), ValueError, r"causal_conv: dilation must be positive"),

@@ -123,6 +123,13 @@ def _spatial_ones(a):
     return a["x"].ndim - 2
 
 
+def _spatial(a):
+    """A causal_conv case with at least one axis besides time (a 1-D layer takes padding="CAUSAL")."""
+    if a["x"].ndim > 3:
+        return a
+    return a | dict(x=jnp.repeat(a["x"][:, :, None], 5, axis=2), kernel=jnp.repeat(a["kernel"][:, None], 3, axis=1))
+
+
 COMMON = {  # every op's
     "x int": _map("x", _ints), "x bool": _map("x", _bools), "x rank+1": _map("x", lambda a, r: a[None]),
     "x rank-1": _map("x", lambda a, r: a[0]), "x None": _set(x=None), "x string": _set(x="abc"),
@@ -199,7 +206,8 @@ PERTURBATIONS = {
         "bias shape": _map("bias", _extra_channel), "x no frames": _map("x", lambda x, r: x[:, :0]),
         "strides zero": _set(strides=0), "strides negative": _set(strides=-1), "strides float": _set(strides=1.5),
         "strides too many": lambda a, r: a | dict(strides=(1,) * (_spatial_ones(a) + 1)),
-        "dilation zero": _set(dilation=0), "padding unknown": _set(padding="FULL"), "padding causal": _set(padding="CAUSAL"),
+        "dilation zero": _set(dilation=0), "padding unknown": _set(padding="FULL"),
+        "padding causal, spatial": lambda a, r: _spatial(a) | dict(padding="CAUSAL"),
         "padding pairs count": lambda a, r: a | dict(padding=((1, 1),) * _spatial_ones(a)),
         "padding_mode reflect": _set(padding_mode="reflect"), "padding_mode unknown": _set(padding_mode="edge"),
         "groups zero": _set(feature_group_count=0), "groups not dividing": _set(feature_group_count=3),

@@ -144,7 +144,9 @@ def causal_conv(
       bias: ``(C_out,)`` or ``None``; added in float32.
       strides, dilation: an int (every axis) or one per spatial axis, time first.
       padding: the other axes' (not time's): ``"SAME"``, ``"VALID"`` or one ``(lo, hi)``
-        pair per non-time spatial axis, as ``masked_conv`` applies them.
+        pair per non-time spatial axis, as ``masked_conv`` applies them. ``"CAUSAL"``
+        (``nn.Conv``'s word for what this op does along time) is taken by a 1-D layer,
+        which has no other axis, and refused with other axes, whose padding it cannot say.
       padding_mode: the frames before frame 0: ``"zeros"``, or ``"replicate"`` (copies of
         frame 0, as Cosmos, CogVideoX and Wan's first chunk use).
       feature_group_count: as in ``lax.conv_general_dilated``.

@@ -134,6 +134,7 @@ def make_problem(
     if frames < 1:
         raise err.value(f"x needs at least one frame (time is axis 1 of (N, T, *spatial, C_in)), got shape "
                         f"{tuple(x.shape)}")
+    padding = _causal_padding(err, padding, ndim)
     if transposed and is_int(strides):
         strides = (strides, *(1,) * (ndim - 1))  # an upsampling factor for time; the other axes keep stride 1
     try:
@@ -200,6 +201,25 @@ def make_problem(
         bias_dtype=bias_dtype, acc_dtype=acc, precision=spec.precision, layout=layout, spec=spec,
     )
     return problem, layout.x(x), layout.kernel(kernel), bias, ids
+
+
+def _causal_padding(err: OpError, padding, ndim: int):
+    """``padding="CAUSAL"``, the word ``nn.Conv`` users bring, read as what it means here.
+
+    In ``nn.Conv`` it is time's padding (output ``t`` sees inputs up to ``t``, 1-D only),
+    which this op always applies; ``padding`` here is the other axes'. A 1-D layer has
+    none, so ``"CAUSAL"`` says exactly what the layer does (``"VALID"``: nothing to pad);
+    with other axes it cannot say how to pad them, and the error names what can.
+    """
+    if not (isinstance(padding, str) and padding.upper() == "CAUSAL"):
+        return padding
+    if ndim == 1:
+        return "VALID"
+    raise err.value(
+        f"padding='CAUSAL' is nn.Conv's padding of a 1-D convolution's time axis, which this layer always pads "
+        f"causally; here padding is the other {ndim - 1} spatial axes' and 'CAUSAL' cannot say how to pad them: pass "
+        "'SAME' (the default, frame size kept), 'VALID' or one (lo, hi) pair per non-time axis"
+    )
 
 
 def _check_segmented(err, strides, pads, window, dilation, padding_mode, transposed) -> None:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..._core.args import as_operand, as_segment_ids, is_int
 from ..._core.errors import OpError
 from ..._core.history import History, check_history
 from . import phases
@@ -295,25 +296,87 @@ def causal_conv_transpose_stream(
 
 def causal_conv_stream_init(
     x_chunk, kernel, *, transpose: bool = False, strides=1, dilation=1, padding="SAME", padding_mode: str = "zeros",
-    feature_group_count: int = 1, dimension_numbers=None, segment_ids=None,
+    feature_group_count: int = 1, dimension_numbers=None, segment_ids=None, frames=None, frames_segment_ids=None,
+    offset: int = 0,
 ) -> CausalConvState:
-    """The state before a stream's first chunk, for a cache allocated ahead of it (Flax's ``init``).
+    """The state before a stream's next chunk: a new stream's (Flax's ``init``), or one adopted from a cache of frames.
 
     ``x_chunk`` and ``kernel`` may be arrays or ``jax.ShapeDtypeStruct`` s (only their
     shapes and dtypes are read); ``segment_ids`` (their shape alone) if the stream packs
     clips; ``transpose=True`` for :func:`causal_conv_transpose_stream`; the other
-    keyword arguments the layer's. Passing it is passing ``state=None``.
+    keyword arguments the layer's. Without ``frames``, passing it is passing ``state=None``.
+
+    ``frames``: a cache of the input frames before the next chunk that a port already
+    holds (Wan's ``feat_cache`` of the last frames), ``(N, F', *spatial, C_in)`` in the
+    layout of ``dimension_numbers`` (time where the chunk has it) and x's dtype, oldest
+    first. The state keeps its last ``F`` frames (``F``: :func:`history_length`,
+    ``(k_T - 1) * d_T``); fewer are the latest ``F'`` of them, older ones being what the
+    layer reads before a stream's start (zeros, or with ``"replicate"`` copies of the
+    oldest frame given, the stream's frame 0). The stream has then started: the next chunk
+    is a later one (a multiple of ``s_T`` frames). ``frames_segment_ids``: their clips,
+    ``(N, F', *spatial)``, with ``segment_ids``. ``offset``: how many frames into the next
+    chunk the next output's newest frame lies, in ``[0, s_T)`` (0: the chunk's first frame).
+    The arrays are taken as they are (no copy): ``jit`` and ``donation`` treat the state as
+    the stream's own.
+
+    Raises:
+      ValueError, TypeError: the layer's arguments, as :func:`causal_conv_stream`'s; frames
+        of another layer (batch, spatial shape, channels, dtype); ``frames`` of a packed
+        stream without ``frames_segment_ids``; an ``offset`` outside ``[0, s_T)``.
     """
+    op = "causal_conv_stream_init"
     kwargs = dict(strides=strides, dilation=dilation, padding=padding, padding_mode=padding_mode,
                   feature_group_count=feature_group_count, dimension_numbers=dimension_numbers)
     struct = lambda a, dtype=None: jax.ShapeDtypeStruct(tuple(a.shape), dtype or a.dtype)  # noqa: E731
     found = {}
 
     def check(x, k, ids):  # traced abstractly: nothing is allocated but the state
-        found["problem"] = make_problem(
-            "causal_conv_stream_init", x, k, None, ids, transposed=transpose, **kwargs)[0]
+        found["problem"] = make_problem(op, x, k, None, ids, transposed=transpose, **kwargs)[0]
         return ()
 
     ids = None if segment_ids is None else struct(segment_ids, jnp.int32)
     jax.eval_shape(check, struct(x_chunk), struct(kernel), ids)
-    return _fresh(found["problem"])
+    problem = found["problem"]
+    if frames is None:
+        if frames_segment_ids is not None or offset != 0:
+            raise OpError(op).value("frames_segment_ids and offset describe adopted frames: pass frames with them")
+        return _fresh(problem)
+    return _adopted(OpError(op), problem, frames, frames_segment_ids, offset)
+
+
+def _adopted(err: OpError, problem: Problem, frames, frame_ids, offset) -> CausalConvState:
+    """The started state holding ``frames`` (the caller's layout), the last ``F`` of them, older ones padded."""
+    with err.words():
+        frames = as_operand("frames", frames)
+    shape, layout = tuple(frames.shape), problem.layout
+    if len(shape) != problem.ndim + 2:
+        raise err.value(f"frames must be (N, F', *spatial, C_in) in the chunk's layout, {problem.ndim + 2} axes, "
+                        f"got shape {shape}")
+    frames = layout.x(frames)  # channels-last, time axis 1
+    f, given = history_length(problem), frames.shape[1]
+    expected = (problem.batch, given, *problem.frame_shape())
+    check_history(err, "frames", frames, expected, f"(N, F', *spatial, C_in) channels-last", problem.x_dtype,
+                  inputs="the chunk's", hint=": a cache of the frames before the chunk, of this layer's batch, "
+                  "spatial shape and channels")
+    if not is_int(offset) or not 0 <= offset < problem.stride:
+        raise err.value(f"offset must be an int in [0, strides[0]) = [0, {problem.stride}), got {offset!r}")
+    if problem.segmented != (frame_ids is not None):
+        raise err.value(
+            "a packed stream (segment_ids) needs frames_segment_ids, the clips of the adopted frames (N, F', *spatial)"
+            if problem.segmented else "frames_segment_ids are for a packed stream: pass segment_ids with them")
+    kept = frames[:, max(given - f, 0):]
+    missing = f - kept.shape[1]
+    if missing > 0:  # what the layer reads before a stream's start
+        first = kept[:, :1] if given else jnp.zeros((problem.batch, 1, *problem.frame_shape()), problem.x_dtype)
+        pad = first if problem.padding_mode == "replicate" else jnp.zeros_like(first)
+        kept = jnp.concatenate([jnp.broadcast_to(pad, (pad.shape[0], missing, *pad.shape[2:])), kept], axis=1)
+    ids = None
+    if frame_ids is not None:
+        with err.words():
+            frame_ids = layout.segment_ids(as_segment_ids(frame_ids, layout.segment_ids_shape(shape),
+                                                          "frames' shape without its channels",
+                                                          name="frames_segment_ids"))
+        ids = frame_ids[:, max(given - f, 0):].astype(jnp.int32)
+        if missing > 0:
+            ids = jnp.concatenate([jnp.full((ids.shape[0], missing, *ids.shape[2:]), -1, jnp.int32), ids], axis=1)
+    return CausalConvState(kept, jnp.asarray(offset, jnp.int32), jnp.ones((), bool), ids)
