@@ -390,6 +390,9 @@ class CausalConv(nn.Module):
         the first chunk any length ``L``, later ones multiples of ``s_T``). Concatenated
         along time they are the full pass's (bit for bit where
         ``docs/causal_conv.md`` says so). Fixed-length chunks compile once under ``jit``.
+        A state the model already has (a cache of past frames through
+        :func:`~maskconv_kernels.ops.causal_conv.causal_conv_stream_init`'s ``frames=``) is
+        adopted as the collection :meth:`cache_from_state` gives.
       context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
         split of time: the full pass takes ``inputs`` (and ``segment_ids``) sharded along
         ``T`` in its layout (the batch dims flattened into one, split over its ``batch_axis``) and runs

@@ -417,9 +417,10 @@ class CausalConv(nnx.Module):
       decode: stream chunks, as ``nnx.MultiHeadAttention(decode=True)``:
         :meth:`init_cache` allocates ``nnx.Cache`` state (``frames``, ``offset``,
         ``started``, ``segment_ids``: the fields of
-        :class:`~maskconv_kernels.ops.causal_conv.CausalConvState`), then each call takes
-        the next chunk ``(*batch_dims, L, *spatial, in_features)`` and returns its outputs
-        (the first chunk any length, later ones multiples of ``s_T``).
+        :class:`~maskconv_kernels.ops.causal_conv.CausalConvState`), or adopts a state the
+        model already has, then each call takes the next chunk ``(*batch_dims, L,
+        *spatial, in_features)`` and returns its outputs (the first chunk any length,
+        later ones multiples of ``s_T``).
       context_parallel: ``None``, or the :class:`~maskconv_kernels.parallel.ContextParallel`
         split of time, as the linen module's.
     """

@@ -66,7 +66,9 @@ class CausalConvState:
     A Flax module holds each array as a variable of its ``"cache"`` collection (and
     rebuilds the state from them on each call); an Equinox module holds the state itself
     in an ``eqx.nn.State``. :func:`causal_conv_stream_init` gives the state before a
-    first chunk, for a cache that must exist before the stream starts.
+    first chunk, for a cache that must exist before the stream starts, and (``frames=``)
+    the state holding a cache of past frames that a port already keeps: build it there,
+    not from these fields, whose ``offset`` and ``started`` are the stream's bookkeeping.
     """
 
     frames: jax.Array
@@ -309,15 +311,14 @@ def causal_conv_stream_init(
     ``frames``: a cache of the input frames before the next chunk that a port already
     holds (Wan's ``feat_cache`` of the last frames), ``(N, F', *spatial, C_in)`` in the
     layout of ``dimension_numbers`` (time where the chunk has it) and x's dtype, oldest
-    first. The state keeps its last ``F`` frames (``F``: :func:`history_length`,
-    ``(k_T - 1) * d_T``); fewer are the latest ``F'`` of them, older ones being what the
-    layer reads before a stream's start (zeros, or with ``"replicate"`` copies of the
-    oldest frame given, the stream's frame 0). The stream has then started: the next chunk
-    is a later one (a multiple of ``s_T`` frames). ``frames_segment_ids``: their clips,
-    ``(N, F', *spatial)``, with ``segment_ids``. ``offset``: how many frames into the next
-    chunk the next output's newest frame lies, in ``[0, s_T)`` (0: the chunk's first frame).
-    The arrays are taken as they are (no copy): ``jit`` and ``donation`` treat the state as
-    the stream's own.
+    first. The state holds the last ``F = (k_T - 1) * d_T`` of them (``ceil(k_T / s_T) - 1``
+    for a transposed layer); with fewer, the frames before them are what the layer reads
+    before a stream's start: zeros, or with ``"replicate"`` copies of the oldest frame
+    given (the stream's frame 0). The stream has then started: the next chunk is a later
+    one (a multiple of ``s_T`` frames). ``frames_segment_ids``: their clips, ``(N, F',
+    *spatial)``, for a stream with ``segment_ids``. ``offset``: how many frames into the
+    next chunk the next output's newest frame lies, in ``[0, s_T)`` (0: the chunk's first
+    frame; after a stream of ``T`` frames, ``ceil(T / s_T) * s_T - T``).
 
     Raises:
       ValueError, TypeError: the layer's arguments, as :func:`causal_conv_stream`'s; frames
@@ -355,7 +356,7 @@ def _adopted(err: OpError, problem: Problem, frames, frame_ids, offset) -> Causa
     frames = layout.x(frames)  # channels-last, time axis 1
     f, given = history_length(problem), frames.shape[1]
     expected = (problem.batch, given, *problem.frame_shape())
-    check_history(err, "frames", frames, expected, f"(N, F', *spatial, C_in) channels-last", problem.x_dtype,
+    check_history(err, "frames", frames, expected, "(N, F', *spatial, C_in) channels-last", problem.x_dtype,
                   inputs="the chunk's", hint=": a cache of the frames before the chunk, of this layer's batch, "
                   "spatial shape and channels")
     if not is_int(offset) or not 0 <= offset < problem.stride:
