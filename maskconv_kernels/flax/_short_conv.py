@@ -24,7 +24,6 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.linen.linear import canonicalize_padding
 
 from maskconv_kernels._core.args import as_segment_ids
@@ -104,6 +103,7 @@ def check_padding(padding, width: int, dilation: int) -> None:
 
 
 def check_arithmetic(arithmetic) -> None:
+    """``arithmetic`` is one of :data:`ARITHMETICS`."""
     if arithmetic not in ARITHMETICS:
         raise ValueError(
             f"arithmetic must be one of {ARITHMETICS}: 'wide' (weight and bias kept in param_dtype, Mamba's), "

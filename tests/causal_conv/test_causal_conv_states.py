@@ -24,7 +24,7 @@ from support.wan import WanCausalConv
 import maskconv_kernels as mk
 from maskconv_kernels.flax import CausalConv
 from maskconv_kernels.flax import nnx as mk_nnx
-from maskconv_kernels.ops.causal_conv import CausalConvState, causal_conv_stream_init
+from maskconv_kernels.ops.causal_conv import causal_conv_stream_init
 
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
 VIDEO = (1, 9, 4, 3, 2)  # (N, T, H, W, C_in): Wan's 1 + 4 + 4 frames

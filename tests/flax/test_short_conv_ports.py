@@ -28,6 +28,7 @@ from flax import nnx
 from support.maxtext import MaxTextShortConv, maxtext_segment_ids
 from support.numerics import assert_close, random
 
+from maskconv_kernels import causal_conv1d
 from maskconv_kernels.flax import CausalConv, ShortConv, from_conv_params
 from maskconv_kernels.flax import nnx as mk_nnx
 
@@ -212,7 +213,6 @@ def test_linen_full_pass_and_decode_from_maxtexts_state():
 
 def test_full_pass_state_arguments_match_the_function():
     """``initial_state`` and ``return_final_state`` are :func:`causal_conv1d`'s, bit for bit, packing included."""
-    from maskconv_kernels import causal_conv1d
     layer = mk_nnx.ShortConv(D, K, dilation=2, activation="silu", rngs=nnx.Rngs(3))
     x, state = random(10, (B, L, D)), random(11, (B, 2 * (K - 1), D))
     ids = np.tile(np.repeat([2, 5], [14, 10]), (B, 1)).astype(np.int32)
