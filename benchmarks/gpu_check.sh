@@ -66,13 +66,8 @@ if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$ROOT"/.whl/*.whl && PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export MASKCONV_COMMIT=${MASKCONV_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-exec > >(tee "$OUT/gpu_check.log") 2>&1
-START=$(date +%s)
-stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
-declare -A STATUS
+# shellcheck source=benchmarks/check_preamble.sh
+source "$ROOT/benchmarks/check_preamble.sh" gpu_check.log
 
 stage "1. machine and versions"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \

@@ -46,13 +46,8 @@ PYTEST_K=${PYTEST_K:-}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
 PIP_INDEX=${PIP_INDEX:-file:///opt/pypi/simple}
 mkdir -p "$OUT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-export MASKCONV_COMMIT=${MASKCONV_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-exec > >(tee "$OUT/tpu_check.log") 2>&1
-START=$(date +%s)
-stage() { echo; echo "=== [$(( $(date +%s) - START ))s] $*"; }
-declare -A STATUS
+# shellcheck source=benchmarks/check_preamble.sh
+source "$ROOT/benchmarks/check_preamble.sh" tpu_check.log
 
 stage "1. machine and versions"
 timeout 90 "$PYTHON" - "$OUT/env.json" <<'EOF'

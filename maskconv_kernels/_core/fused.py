@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 import jax
 from jax.interpreters import ad

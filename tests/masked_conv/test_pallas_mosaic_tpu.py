@@ -15,12 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support.lowering import count, kernel_jaxprs
 from support.numerics import assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.ops.masked_conv import backends, implementation_for, maps, pallas_mosaic_tpu
+from maskconv_kernels.ops.masked_conv import backends, implementation_for, pallas_mosaic_tpu
 from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_tpu import Config
 from maskconv_kernels.ops.masked_conv.pallas_mosaic_tpu.config import KERNELS, VMEM_BUDGET_BYTES, vmem_bytes
@@ -115,41 +116,7 @@ def test_needs_a_tpu_or_interpret_mode():
 
 def _kernel_jaxprs_of(spec, dtype) -> dict:
     """``{pallas_call name: kernel jaxpr}`` of the three kernels as the core runs them."""
-    job = maps.Job(spec, kernel_problem(spec), None, INTERPRET, "tpu", np.dtype(dtype))
-    p, n = job.problem, 2
-    x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
-    y = jax.ShapeDtypeStruct(p.y_shape(n), dtype)
-    k = jax.ShapeDtypeStruct(p.kernel_shape(), dtype)
-    found = {}
-    calls = ((pallas_mosaic_tpu.forward, (x, k)), (pallas_mosaic_tpu.input_grad, (y, k)),
-             (pallas_mosaic_tpu.weight_grad, (x, y)))
-    for fn, args in calls:
-        found.update(_kernel_jaxprs(jax.make_jaxpr(lambda a, b: fn(a, b, job, np.dtype(dtype)))(*args).jaxpr))
-    return found
-
-
-def _kernel_jaxprs(jaxpr) -> dict:
-    found = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found[eqn.params["name"]] = eqn.params["jaxpr"]
-        for sub in _sub_jaxprs(eqn):
-            found.update(_kernel_jaxprs(sub))
-    return found
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                yield v
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                yield v.jaxpr
-
-
-def _count(jaxpr, primitive: str) -> int:
-    return sum((eqn.primitive.name == primitive) + sum(_count(s, primitive) for s in _sub_jaxprs(eqn))
-               for eqn in jaxpr.eqns)
+    return kernel_jaxprs(pallas_mosaic_tpu, spec, dtype, "tpu", INTERPRET)
 
 
 @pytest.mark.parametrize(
@@ -166,9 +133,9 @@ def test_masked_taps_have_no_code(mask):
     p = kernel_problem(spec)
     kernels = _kernel_jaxprs_of(spec, jnp.float32)
     assert set(kernels) == set(KERNEL_NAMES)
-    assert _count(kernels["maskconv_tpu_fwd"], "dot_general") == len(p.pieces)
-    assert _count(kernels["maskconv_tpu_bwd_input"], "dot_general") == len(p.pieces)
-    assert _count(kernels["maskconv_tpu_bwd_weight"], "dot_general") == len(p.taps)
+    assert count(kernels["maskconv_tpu_fwd"], "dot_general") == len(p.pieces)
+    assert count(kernels["maskconv_tpu_bwd_input"], "dot_general") == len(p.pieces)
+    assert count(kernels["maskconv_tpu_bwd_weight"], "dot_general") == len(p.taps)
 
 
 def test_highest_precision_reaches_the_kernel_dots():

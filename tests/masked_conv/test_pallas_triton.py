@@ -11,14 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.lowering import capture_triton_modules, compile_triton_modules, cuda_lowering
+from support.lowering import capture_triton_modules, compile_triton_modules, count, cuda_lowering, kernel_jaxprs
 from support.numerics import assert_close, random
 from support.tiers import tiered
 
 import maskconv_kernels as mk
 from maskconv_kernels import masked_conv_reference
-from maskconv_kernels.ops.masked_conv import backends, implementation_for, maps, pallas_triton
-from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
+from maskconv_kernels.ops.masked_conv import backends, implementation_for, pallas_triton
 from maskconv_kernels.ops.masked_conv.pallas_triton import Config
 from maskconv_kernels.ops.masked_conv.pallas_triton.config import KERNELS
 from maskconv_kernels.ops.masked_conv.reference import masked_conv_reference_vjp
@@ -63,16 +62,7 @@ def test_value_and_grad_lowers_for_cuda_to_three_kernels_and_no_convolution(name
 
 def _kernel_jaxprs_of(spec, dtype, platform="cuda") -> dict:
     """``{pallas_call name: kernel jaxpr}`` of the three kernels as the core lowers them for ``platform``."""
-    job = maps.Job(spec, kernel_problem(spec), None, False, platform, np.dtype(dtype))
-    p, n = job.problem, 2
-    x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
-    y = jax.ShapeDtypeStruct(p.y_shape(n), spec.out_dtype)
-    k = jax.ShapeDtypeStruct(p.kernel_shape(), dtype)
-    found = {}
-    kernels = ((pallas_triton.forward, (x, k)), (pallas_triton.input_grad, (y, k)), (pallas_triton.weight_grad, (x, y)))
-    for fn, args in kernels:
-        found.update(_kernel_jaxprs(jax.make_jaxpr(lambda a, b: fn(a, b, job, np.dtype(dtype)))(*args).jaxpr))
-    return found
+    return kernel_jaxprs(pallas_triton, spec, dtype, platform)
 
 
 def test_highest_precision_reaches_the_kernel_dots():
@@ -82,31 +72,6 @@ def test_highest_precision_reaches_the_kernel_dots():
                                                                     np.float32).values()))
     assert "HIGHEST" in jaxprs("highest")
     assert "HIGHEST" not in jaxprs(None)  # TF32 on GPUs: Triton's default for float32 dots
-
-
-def _kernel_jaxprs(jaxpr) -> dict:
-    """``{pallas_call name: kernel jaxpr}`` of every ``pallas_call`` in ``jaxpr``, however nested."""
-    found = {}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found[eqn.params["name"]] = eqn.params["jaxpr"]
-        for sub in _sub_jaxprs(eqn):
-            found.update(_kernel_jaxprs(sub))
-    return found
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                yield v
-            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
-                yield v.jaxpr
-
-
-def _count(jaxpr, primitive: str) -> int:
-    return sum((eqn.primitive.name == primitive) + sum(_count(s, primitive) for s in _sub_jaxprs(eqn))
-               for eqn in jaxpr.eqns)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +91,7 @@ def test_kernel_code_does_not_grow_with_the_taps(mask):
     kernels = _kernel_jaxprs_of(make_spec(x, k, mask), jnp.bfloat16)
     assert set(kernels) == set(KERNEL_NAMES)
     for name, kernel in kernels.items():
-        assert _count(kernel, "dot_general") == 1, name
+        assert count(kernel, "dot_general") == 1, name
 
 
 @pytest.mark.parametrize("window, mask_type", [((7, 7), "A"), ((3, 3), "B")])

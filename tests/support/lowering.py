@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import jax
+import numpy as np
 import pytest
 
 from maskconv_kernels._core.hardware import COMPUTE_CAPABILITY, gpu_target
 from maskconv_kernels._core.primitives import PALLAS_TRITON_DEPRECATION
 
-__all__ = ["cuda_lowering", "capture_triton_modules", "compile_triton_modules"]
+__all__ = ["cuda_lowering", "capture_triton_modules", "compile_triton_modules", "kernel_jaxprs", "count"]
 
 
 @contextlib.contextmanager
@@ -93,3 +95,47 @@ def compile_triton_modules(modules: dict[str, str], options: dict[str, dict], tm
         ptx[name] = compiled.asm["ptx"]
         (tmp_path / f"{name}.ptx").write_text(ptx[name])
     return ptx
+
+
+def kernel_jaxprs(backend, spec, dtype, platform: str, interpret: bool = False) -> dict:
+    """``{pallas_call name: kernel jaxpr}`` of a kernel backend's three kernels (its module:
+    ``forward``, ``input_grad``, ``weight_grad``) as masked_conv's maps run them lowered for
+    ``platform``, at a batch of 2."""
+    from maskconv_kernels.ops.masked_conv import maps
+    from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
+
+    job = maps.Job(spec, kernel_problem(spec), None, interpret, platform, np.dtype(dtype))
+    p, n = job.problem, 2
+    x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
+    y = jax.ShapeDtypeStruct(p.y_shape(n), spec.out_dtype)
+    k = jax.ShapeDtypeStruct(p.kernel_shape(), dtype)
+    found = {}
+    for fn, args in ((backend.forward, (x, k)), (backend.input_grad, (y, k)), (backend.weight_grad, (x, y))):
+        found.update(_pallas_calls(jax.make_jaxpr(lambda a, b: fn(a, b, job, np.dtype(dtype)))(*args).jaxpr))
+    return found
+
+
+def _pallas_calls(jaxpr) -> dict:
+    """``{pallas_call name: kernel jaxpr}`` of every ``pallas_call`` in ``jaxpr``, however nested."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found[eqn.params["name"]] = eqn.params["jaxpr"]
+        for sub in _sub_jaxprs(eqn):
+            found.update(_pallas_calls(sub))
+    return found
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(v, "jaxpr") and hasattr(v.jaxpr, "eqns"):
+                yield v.jaxpr
+
+
+def count(jaxpr, primitive: str) -> int:
+    """How many ``primitive`` equations ``jaxpr`` holds, however nested."""
+    return sum((eqn.primitive.name == primitive) + sum(count(s, primitive) for s in _sub_jaxprs(eqn))
+               for eqn in jaxpr.eqns)

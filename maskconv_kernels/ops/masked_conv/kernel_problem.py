@@ -23,7 +23,7 @@ from ..._core.tiling import sum_in_order  # re-exported: the kernels' fixed-orde
 from ...masks import raster_run
 from .spec import ConvSpec
 
-__all__ = ["Piece", "KernelProblem", "kernel_problem", "lift", "sum_in_order", "scatter_taps"]
+__all__ = ["Piece", "KernelProblem", "kernel_problem", "lift", "in_runs", "sum_in_order", "scatter_taps"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,17 @@ class KernelProblem:
 
     def kernel_shape(self) -> tuple[int, ...]:
         return (*self.window, self.c_in, self.c_out)
+
+
+def in_runs(index, runs: tuple[tuple[int, int], ...]):
+    """Bools: where ``index`` (an array of channel indices, in a kernel or not) lies in one of
+    the static ``(start, stop)`` runs of a :class:`Piece`: how a kernel selects a
+    channel-partial piece's channels (a select, never a product with zero)."""
+    hit = None
+    for start, stop in runs:
+        h = (index >= start) & (index < stop)
+        hit = h if hit is None else hit | h
+    return hit
 
 
 def _runs(channels) -> tuple[tuple[int, int], ...]:

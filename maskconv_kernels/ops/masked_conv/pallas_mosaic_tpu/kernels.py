@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv
+from ..kernel_problem import in_runs
 from .config import VMEM_LIMIT_BYTES
 from .geometry import Geometry
 
@@ -97,15 +98,6 @@ def _operand(window, g: Geometry, offset: tuple[int, int]):
     return window[dr:dr + g.rows, dc:dc + g.cols, :]
 
 
-def _member(index, runs):
-    """Bools: ``index`` lies in one of the static ``(start, stop)`` runs."""
-    hit = None
-    for start, stop in runs:
-        h = (index >= start) & (index < stop)
-        hit = h if hit is None else hit | h
-    return hit
-
-
 def _lanes(shape, offset=0):
     """The minor-dimension index of each element of ``shape`` plus ``offset``."""
     return lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1) + offset
@@ -149,10 +141,10 @@ def _tap_gemm_kernel(*refs, g: Geometry, precision):
                 continue
             operand = a
             if piece.reads is not None:
-                operand = jnp.where(_member(_lanes(a.shape), piece.reads), a, jnp.zeros_like(a))
+                operand = jnp.where(in_runs(_lanes(a.shape), piece.reads), a, jnp.zeros_like(a))
             product = jnp.dot(operand, w_ref[index], precision=precision, preferred_element_type=jnp.float32)
             if piece.writes is not None:
-                keep = _member(_lanes(product.shape, first_channel), piece.writes)
+                keep = in_runs(_lanes(product.shape, first_channel), piece.writes)
                 product = jnp.where(keep, product, jnp.zeros_like(product))
             if first:
                 acc_ref[...] = product
@@ -275,7 +267,7 @@ def tap_weight_grad(image, dy, g: Geometry, block_taps: int, out_dtype, *, preci
     """
     batch, taps = image.shape[0], len(g.taps.offsets)
     tap_blocks = tuple(tuple(range(s, min(taps, s + block_taps))) for s in range(0, taps, block_taps))
-    tb_of, c_of, n_of, i_of = (lambda ids: ids[0]), (lambda ids: ids[1]), (lambda ids: ids[2]), (lambda ids: ids[3])
+    c_of, n_of, i_of = (lambda ids: ids[1]), (lambda ids: ids[2]), (lambda ids: ids[3])  # ids[0]: the tap block
     in_specs = _image_specs(g, n_of, i_of) + [_result_spec(g, n_of, i_of, c_of)]
     return pl.pallas_call(
         functools.partial(_weight_grad_kernel, g=g, tap_blocks=tap_blocks, precision=precision),

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...._core.tiling import cdiv, round_up
-from ..kernel_problem import KernelProblem, Piece
+from ..kernel_problem import KernelProblem, Piece, in_runs
 from .config import Config, weight_grad_splits
 
 __all__ = ["Geometry", "forward", "input_grad", "weight_grad"]
@@ -82,24 +82,15 @@ def _dot(a, b, g: Geometry, *, trans_a=False, trans_b=False):
     return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
 
 
-def _member(idx, runs):
-    """Bools: ``idx`` lies in one of the static ``(start, stop)`` runs."""
-    hit = None
-    for start, stop in runs:
-        h = (idx >= start) & (idx < stop)
-        hit = h if hit is None else hit | h
-    return hit
-
-
 def _piece_kernel_block(kb, piece: Piece, ci, co):
     """The kernel block restricted to the piece's active entries (a select, never a product)."""
     if piece.in_runs is None and piece.out_runs is None:
         return kb
     keep = jnp.ones(kb.shape, jnp.bool_)
     if piece.in_runs is not None:
-        keep &= _member(ci, piece.in_runs)[:, None]
+        keep &= in_runs(ci, piece.in_runs)[:, None]
     if piece.out_runs is not None:
-        keep &= _member(co, piece.out_runs)[None, :]
+        keep &= in_runs(co, piece.out_runs)[None, :]
     return jnp.where(keep, kb, jnp.zeros((), kb.dtype))
 
 
@@ -248,14 +239,14 @@ def _forward_kernel(x_ref, k_ref, y_ref, *, g: Geometry):
         ci = ci0 + jnp.arange(bci, dtype=jnp.int32)
         ci_ok = ci < g.problem.c_in
         if piece is not None and piece.in_runs is not None:
-            ci_ok &= _member(ci, piece.in_runs)
+            ci_ok &= in_runs(ci, piece.in_runs)
         xb = _gather(x_ref, (n, rows, cols), ci, ok[:, None] & ci_ok[None, :])
         kb = k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)]
         if piece is not None:
             kb = _piece_kernel_block(kb, piece, ci, co)
         prod = _dot(xb, kb, g)
         if piece is not None and piece.out_runs is not None:
-            prod = jnp.where(_member(co, piece.out_runs)[None, :], prod, 0.0)
+            prod = jnp.where(in_runs(co, piece.out_runs)[None, :], prod, 0.0)
         return prod
 
     y_ref[...] = _sum_over_pieces(g, trips, step, (bp, bco)).astype(y_ref.dtype)
@@ -311,14 +302,14 @@ def _input_grad_kernel(dy_ref, k_ref, dx_ref, *, g: Geometry):
         co = co0 + jnp.arange(bco, dtype=jnp.int32)
         co_ok = co < g.problem.c_out
         if piece is not None and piece.out_runs is not None:
-            co_ok &= _member(co, piece.out_runs)
+            co_ok &= in_runs(co, piece.out_runs)
         dyb = _gather(dy_ref, (n, *out_idx), co, ok[:, None] & co_ok[None, :])
         kb = k_ref[th, tw, pl.ds(ci0, bci), pl.ds(co0, bco)]
         if piece is not None:
             kb = _piece_kernel_block(kb, piece, ci, co)
         prod = _dot(dyb, kb, g, trans_b=True)
         if piece is not None and piece.in_runs is not None:
-            prod = jnp.where(_member(ci, piece.in_runs)[None, :], prod, 0.0)
+            prod = jnp.where(in_runs(ci, piece.in_runs)[None, :], prod, 0.0)
         return prod
 
     dx_ref[...] = _sum_over_pieces(g, trips, step, (bp, bci)).astype(dx_ref.dtype)
@@ -377,9 +368,9 @@ def _weight_grad_kernel(x_ref, dy_ref, dk_ref, *, g: Geometry, batch: int, trips
         for piece in pieces:
             k = jnp.ones((bci, bco), jnp.bool_)
             if piece.in_runs is not None:
-                k &= _member(ci, piece.in_runs)[:, None]
+                k &= in_runs(ci, piece.in_runs)[:, None]
             if piece.out_runs is not None:
-                k &= _member(co, piece.out_runs)[None, :]
+                k &= in_runs(co, piece.out_runs)[None, :]
             keep = k if keep is None else keep | k
         acc = jnp.where((t != g.problem.taps.index(tap)) | keep, acc, 0.0)
     dk_ref[...] = acc.astype(dk_ref.dtype)
