@@ -16,7 +16,8 @@ VMEM: TPU v5e has 128 MiB per core, v7x 64 MiB, and Mosaic's scoped default is 1
 the buffers it counts (:meth:`.geometry.Geometry.vmem_bytes`) within
 :data:`VMEM_BUDGET_BYTES` (32 MiB), the rest left to Mosaic's own temporaries. The
 defaults are a starting point chosen from the MXU's shape (128 x 128 on v5e, 256 x 256
-on v6e), not measured: this backend has not been timed on a TPU.
+on v6e), not tuned: the kernels were timed with them on a TPU v5e (docs/performance.md),
+no other blocks were.
 """
 from __future__ import annotations
 
