@@ -1,5 +1,6 @@
 """A child process that compiles and runs masked_conv's ``xla`` strategies over a grid of small
-16-bit problems: ``python compile_grid.py STRATEGY DTYPE [CASE ...]``.
+16-bit problems: ``python compile_grid.py --strategies conv,matmul DTYPE [INDEX ...]``
+(``--regressions``: the problems that once aborted a compiler instead of the grid).
 
 Why a child: XLA:CPU's code generator can abort the whole process on a 16-bit fusion
 (jaxlib 0.12.1: "LLVM ERROR: Cannot select ... v8bf16", the design notes' CPU compiler
@@ -13,11 +14,14 @@ The grid (:func:`problems`): every dimension order lax takes for 1-D and 2-D pro
 cycled beside it), a sample of the 3-D ones, with strides, kernel and input dilation,
 explicit and named paddings, feature groups, and random masks (window masks, so boxes of
 one, two and more taps, and channel-partial ones), 3 to 6 channels. Each problem compiles
-the forward and the vector-Jacobian product (both gradients) and checks them against lax
-on the same rounded inputs, within bounds from ``|x|``, ``|kernel|`` and ``|dy|``.
+the forward and the vector-Jacobian product (both gradients) under each strategy, and
+checks them against lax on the same rounded inputs (computed once per problem), within
+bounds from ``|x|``, ``|kernel|`` and ``|dy|``. A strategy whose programs are another's
+(it fell back to it) is not compiled twice.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import sys
@@ -163,25 +167,48 @@ def _lax_maps(x, k, ct, dense, args):
     return y, dx, jnp.where(dense, dk, 0.0), y_abs, dx_abs, dk_abs
 
 
-def check(p: dict, strategy: str, dtype) -> None:
-    """Compiles and runs the forward and both gradients; asserts lax's values within bounds."""
+def check(p: dict, strategies, dtype, seen: set) -> None:
+    """Under each strategy, compiles and runs the forward and the VJP of both operands and
+    checks them against lax within bounds; prints ``case <strategy>/<problem>`` before and
+    ``ok`` after each. Programs another strategy already compiled (the same text: a
+    strategy that falls back to another where it does not apply) are not compiled again;
+    ``seen`` holds their texts."""
     x, k, mask = _operands(p, dtype)
     args = _conv_args(p)
-    config = xla.Config(strategy)
-    f = lambda x, k: mk.masked_conv(x, k, mask, implementation="xla", config=config, **args)  # noqa: E731
-    y = jax.jit(f)(x, k)
-    ct = jnp.asarray(np.random.default_rng(p["seed"]).standard_normal(y.shape), dtype)
-    dx, dk = jax.jit(lambda x, k, ct: jax.vjp(f, x, k)[1](ct))(x, k, ct)
+    y_shape = None
+    want = None
+    for strategy in strategies:
+        print(f"case {strategy}/{case_id(p)}", flush=True)
+        config = xla.Config(strategy)
+        f = lambda x, k, config=config: mk.masked_conv(x, k, mask, implementation="xla", config=config, **args)  # noqa: E731
+        y_shape = y_shape or jax.eval_shape(f, x, k).shape
+        ct = jnp.asarray(np.random.default_rng(p["seed"]).standard_normal(y_shape), dtype)
+        forward = jax.jit(f).lower(x, k)
+        backward = jax.jit(lambda x, k, ct, f=f: jax.vjp(f, x, k)[1](ct)).lower(x, k, ct)
+        texts = (forward.as_text(), backward.as_text())
+        if texts in seen:
+            print("ok", flush=True)
+            continue
+        seen.add(texts)
+        y = forward.compile()(x, k)
+        dx, dk = backward.compile()(x, k, ct)
+        if want is None:
+            dense = _dense_mask(mask, k.shape, p["dimension_numbers"][1], SPATIAL[p["ndim"]])
+            want = dense, _reference(x, k, ct, dense, tuple(args.items()))
+        _assert_within_bounds((y, dx, dk), *want, dtype)
+        print("ok", flush=True)
 
-    dense = _dense_mask(mask, k.shape, p["dimension_numbers"][1], SPATIAL[p["ndim"]])
-    want = _reference(x, k, ct, dense, tuple(args.items()))
+
+def _assert_within_bounds(got, dense, want, dtype) -> None:
+    """``got`` (y, dx, dk) against lax's maps ``want[:3]`` within ``eps * want[3:]`` (the
+    same maps of the magnitudes); masked kernel entries exactly 0.0."""
     eps = float(jnp.finfo(dtype).eps)
-    for name, got, value, bound in zip(("y", "dx", "dk"), (y, dx, dk), want[:3], want[3:]):
-        got, value, bound = (np.asarray(a, np.float32) for a in (got, value, bound))
-        excess = np.abs(got - value) - (eps * bound + 1e-6)
-        if got.shape != value.shape or (excess > 0).any():
-            raise AssertionError(f"{name}: shape {got.shape} vs {value.shape}, worst excess {excess.max()}")
-    if (np.asarray(dk, np.float32)[~np.asarray(dense)] != 0.0).any():
+    for name, value, reference, bound in zip(("y", "dx", "dk"), got, want[:3], want[3:]):
+        value, reference, bound = (np.asarray(a, np.float32) for a in (value, reference, bound))
+        excess = np.abs(value - reference) - (eps * bound + 1e-6)
+        if value.shape != reference.shape or (excess > 0).any():
+            raise AssertionError(f"{name}: shape {value.shape} vs {reference.shape}, worst excess {excess.max()}")
+    if (np.asarray(got[2], np.float32)[~np.asarray(dense)] != 0.0).any():
         raise AssertionError("dk: a masked entry is not exactly 0.0")
 
 
@@ -203,19 +230,19 @@ REGRESSIONS = (_issue_47,)
 
 
 def main(argv: list[str]) -> int:
-    """``STRATEGY DTYPE [INDEX ...]``: the grid (or the problems of those indices) under one
-    strategy; ``--regressions STRATEGY,... DTYPE``: the regressions under each strategy."""
-    if argv[0] == "--regressions":
-        runs = [(s, p) for s in argv[1].split(",") for p in (make() for make in REGRESSIONS)]
-        dtype = jnp.dtype(argv[2])
-    else:
-        strategy, dtype, *wanted = argv
-        dtype = jnp.dtype(dtype)
-        runs = [(strategy, p) for p in problems() if not wanted or str(p["index"]) in wanted]
-    for strategy, p in runs:
-        print(f"case {strategy}/{case_id(p)}", flush=True)
-        check(p, strategy, dtype)
-        print("ok", flush=True)
+    """``[--regressions] --strategies S,... DTYPE [INDEX ...]``: every problem of the grid
+    (or of those indices), or the regressions, under each strategy; ``done`` at the end."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--regressions", action="store_true")
+    parser.add_argument("--strategies", required=True)
+    parser.add_argument("dtype")
+    parser.add_argument("indices", nargs="*")
+    args = parser.parse_args(argv)
+    found = [make() for make in REGRESSIONS] if args.regressions else problems()
+    seen: set = set()
+    for p in found:
+        if not args.indices or str(p["index"]) in args.indices:
+            check(p, args.strategies.split(","), jnp.dtype(args.dtype), seen)
     print("done", flush=True)
     return 0
 
