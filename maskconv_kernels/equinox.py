@@ -252,7 +252,13 @@ class CausalConv(eqx.nn.StatefulLayer):
         ``((k_T - 1) * d_T, 0)`` (``"CAUSAL"``, Flax's word for it, is taken by a 1-D
         layer, which has no other axis).
       padding_mode: the frames before frame 0: ``"zeros"`` or ``"replicate"`` (Equinox's
-        ``"ZEROS"`` and ``"REPLICATE"`` spell the same); the other axes are zero-padded.
+        ``"ZEROS"`` and ``"REPLICATE"`` spell the same).
+      spatial_padding_mode: what ``padding`` adds on the other axes: ``"zeros"``, or
+        copies of each frame's own pixels, ``"reflect"``, ``"replicate"`` or
+        ``"circular"`` (any case, as Equinox spells them), as
+        :func:`maskconv_kernels.causal_conv` takes it. ``eqx.nn.Conv``'s one
+        ``padding_mode`` covers every axis; here time's and the others' are two, since
+        time can be neither mirrored nor wrapped.
       stream: hold a stream's state (an ``eqx.nn.StateIndex``), so that the layer takes
         ``(x_chunk, state)``; then ``spatial_shape`` is the chunks' non-time spatial
         sizes (``(H, W)`` for video, ``(F,)`` for a spectrogram, ``()`` for audio) and
@@ -280,6 +286,7 @@ class CausalConv(eqx.nn.StatefulLayer):
     groups: int = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
     padding_mode: str = eqx.field(static=True)
+    spatial_padding_mode: str = eqx.field(static=True)
     implementation: str | None = eqx.field(static=True)
     interpret: bool = eqx.field(static=True)
     context_parallel: ContextParallel | None = eqx.field(static=True)
@@ -298,6 +305,7 @@ class CausalConv(eqx.nn.StatefulLayer):
         padding_mode: str = "zeros",
         dtype=None,
         *,
+        spatial_padding_mode: str = "zeros",
         stream: bool = False,
         spatial_shape: Sequence[int] = (),
         segmented: bool = False,
@@ -321,6 +329,8 @@ class CausalConv(eqx.nn.StatefulLayer):
         self.groups, self.use_bias = groups, use_bias
         self.padding = _non_time_padding(padding, num_spatial_dims - 1)
         self.padding_mode = padding_mode.lower() if isinstance(padding_mode, str) else padding_mode
+        self.spatial_padding_mode = (spatial_padding_mode.lower() if isinstance(spatial_padding_mode, str)
+                                     else spatial_padding_mode)
         self.implementation, self.interpret = implementation, interpret
         if context_parallel is not None and context_parallel.batch_axis is not None:
             raise ValueError(
@@ -344,8 +354,9 @@ class CausalConv(eqx.nn.StatefulLayer):
     def _kwargs(self) -> dict:
         return dict(
             strides=self.stride, dilation=self.dilation, padding=self.padding, padding_mode=self.padding_mode,
-            feature_group_count=self.groups, dimension_numbers=_dimension_numbers(self.num_spatial_dims),
-            implementation=self.implementation, interpret=self.interpret,
+            spatial_padding_mode=self.spatial_padding_mode, feature_group_count=self.groups,
+            dimension_numbers=_dimension_numbers(self.num_spatial_dims), implementation=self.implementation,
+            interpret=self.interpret,
         )
 
     def __call__(self, x: jax.Array, state=None, *, segment_ids: jax.Array | None = None,

@@ -53,13 +53,15 @@ class Layer:
 
     ``padding`` is the non-time axes' (time is padded by the layer itself): ``"SAME"``,
     ``"VALID"``, an int, or one int or ``(lo, hi)`` pair per non-time axis, as flax
-    canonicalises it. ``kernel_dilation`` is :func:`causal_conv`'s ``dilation``.
+    canonicalises it, filled as ``spatial_padding_mode`` says. ``kernel_dilation`` is
+    :func:`causal_conv`'s ``dilation``.
     """
 
     kernel_size: Any
     strides: Any
     padding: Any
     padding_mode: str
+    spatial_padding_mode: str
     kernel_dilation: Any
     feature_group_count: int
     precision: Any
@@ -92,7 +94,8 @@ class Layer:
         return dict(
             strides=1 if self.strides is None else self.strides,
             dilation=1 if self.kernel_dilation is None else self.kernel_dilation,
-            padding=padding, padding_mode=self.padding_mode, feature_group_count=self.feature_group_count,
+            padding=padding, padding_mode=self.padding_mode, spatial_padding_mode=self.spatial_padding_mode,
+            feature_group_count=self.feature_group_count,
             precision=self.precision, implementation=self.implementation, interpret=self.interpret,
         )
 

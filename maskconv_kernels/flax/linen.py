@@ -369,6 +369,12 @@ class CausalConv(nn.Module):
         1-D layer, and refused, naming these, by one with other axes.
       padding_mode: the frames before frame 0: ``"zeros"`` or ``"replicate"`` (copies of
         frame 0, as Cosmos, CogVideoX and Wan).
+      spatial_padding_mode: what ``padding`` adds on the other axes: ``"zeros"``, or
+        copies of each frame's own pixels, ``"reflect"`` (mirrored, as LTX-2's decoder
+        pads), ``"replicate"`` (the edge repeated) or ``"circular"`` (wrapped), as
+        :func:`maskconv_kernels.causal_conv` takes it (its own keyword: time can be
+        neither mirrored nor wrapped). The cache holds the frames unpadded. Not with
+        ``segment_ids``.
       kernel_dilation: an int or one per axis, time first; ``None`` is 1.
       feature_group_count: ``C_in`` and ``features`` split into this many groups.
       use_bias: add a ``(features,)`` bias (in float32, before the one rounding).
@@ -416,6 +422,8 @@ class CausalConv(nn.Module):
     interpret: bool = False
     decode: bool = False
     context_parallel: ContextParallel | None = None
+    # Last, so that the positional order of the fields before it stays as it was.
+    spatial_padding_mode: str = "zeros"
 
     @staticmethod
     def cache_from_state(state: CausalConvState) -> dict[str, jax.Array]:

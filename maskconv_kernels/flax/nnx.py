@@ -409,9 +409,10 @@ class CausalConv(nnx.Module):
       in_features: ``C_in``.
       out_features: ``C_out``.
       kernel_size: the window ``(k_T, *k_spatial)``, time first (an int: a 1-D layer).
-      strides, padding, padding_mode, kernel_dilation, feature_group_count, use_bias,
-      dtype, param_dtype, precision, kernel_init, bias_init, implementation,
-      interpret: as the linen module's attributes (``padding`` is the non-time axes').
+      strides, padding, padding_mode, spatial_padding_mode, kernel_dilation,
+      feature_group_count, use_bias, dtype, param_dtype, precision, kernel_init,
+      bias_init, implementation, interpret: as the linen module's attributes
+        (``padding`` and ``spatial_padding_mode`` are the non-time axes').
       rngs: draws ``kernel``, then ``bias``.
       kernel_metadata, bias_metadata: as in ``nnx.Conv``.
       decode: stream chunks, as ``nnx.MultiHeadAttention(decode=True)``:
@@ -434,6 +435,7 @@ class CausalConv(nnx.Module):
         *,
         padding: PaddingLike = "SAME",
         padding_mode: str = "zeros",
+        spatial_padding_mode: str = "zeros",
         kernel_dilation: None | int | tp.Sequence[int] = 1,
         feature_group_count: int = 1,
         use_bias: bool = True,
@@ -454,6 +456,7 @@ class CausalConv(nnx.Module):
         self.strides = strides
         self.padding = padding
         self.padding_mode = padding_mode
+        self.spatial_padding_mode = spatial_padding_mode
         self.kernel_dilation = kernel_dilation
         self.feature_group_count = feature_group_count
         self.precision = precision

@@ -56,7 +56,7 @@ def time_sharded_causal_conv(
       batch_axis: mesh axis (or axes) that also split the batch, or ``None``.
       segment_ids: ``(N, T, *spatial)`` integers or ``None``, split like ``x``: packed clips.
       **kwargs: the other keywords of :func:`~maskconv_kernels.causal_conv` (``strides``,
-        ``dilation``, ``padding``, ``padding_mode``, ``feature_group_count``,
+        ``dilation``, ``padding``, ``padding_mode``, ``spatial_padding_mode``, ``feature_group_count``,
         ``dimension_numbers``, ``precision``, ``implementation``, ``interpret``, ``config``).
 
     Returns:
@@ -90,8 +90,8 @@ def time_sharded_causal_conv_transpose(
                          batch_axis, segment_ids, kwargs)
 
 
-_LAYER = ("strides", "dilation", "padding", "padding_mode", "feature_group_count", "dimension_numbers", "precision",
-          "implementation", "interpret", "config")
+_LAYER = ("strides", "dilation", "padding", "padding_mode", "spatial_padding_mode", "feature_group_count",
+          "dimension_numbers", "precision", "implementation", "interpret", "config")
 
 
 def _time_sharded(op, transposed, x, kernel, bias, mesh, axis_name, layout, batch_axis, segment_ids, kwargs):

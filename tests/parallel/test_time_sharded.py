@@ -47,6 +47,9 @@ LAYERS = {
     "video_3x3x3": ((2, 16, 4, 4, 3), (3, 3, 3, 3, 4), dict(padding="SAME"), False, False),
     "video_replicate": ((2, 16, 4, 4, 3), (3, 3, 3, 3, 4), dict(padding="SAME", padding_mode="replicate"), False, False),
     "video_time_stride_2": ((2, 16, 4, 4, 3), (3, 3, 3, 3, 4), dict(padding="SAME", strides=(2, 1, 1)), False, False),
+    # LTX-2's decoder: frame 0 repeated before it, the spatial axes reflected (each chunk pads its own frames).
+    "video_reflect": ((2, 16, 4, 4, 3), (3, 3, 3, 3, 4), dict(padding_mode="replicate", spatial_padding_mode="reflect"),
+                      False, False),
     "audio_dilated_clips": ((2, 32, 3), (3, 3, 5), dict(dilation=2), False, True),
     "audio_depthwise": ((2, 32, 4), (4, 1, 4), dict(feature_group_count=4), False, False),
     "audio_channels_first": ((2, 3, 32), (5, 3, 3), dict(dimension_numbers=("NCH", "OIH", "NCH")), False, False),

@@ -9,12 +9,12 @@
 * :mod:`.backends`: the implementations table, ``masked_conv``'s records.
 """
 from .api import IMPLEMENTATIONS, PREFERENCE, causal_conv, causal_conv_transpose
-from .checks import PADDING_MODES
+from .checks import PADDING_MODES, SPATIAL_PADDING_MODES
 from .reference import causal_conv_reference, causal_conv_transpose_reference
 from .stream import CausalConvState, causal_conv_stream, causal_conv_stream_init, causal_conv_transpose_stream
 
 __all__ = [
     "causal_conv", "causal_conv_transpose", "causal_conv_stream", "causal_conv_transpose_stream",
     "causal_conv_stream_init", "CausalConvState", "causal_conv_reference", "causal_conv_transpose_reference",
-    "PADDING_MODES", "IMPLEMENTATIONS", "PREFERENCE",
+    "PADDING_MODES", "SPATIAL_PADDING_MODES", "IMPLEMENTATIONS", "PREFERENCE",
 ]

@@ -57,7 +57,11 @@ class TimeConv:
 
         The problem was checked once, by the public call: this runs ``masked_conv``'s
         checked path (:func:`~..masked_conv.api.run`) on the problem's spec resized to
-        ``x``'s frames, ``kernel``'s shape and ``time_pad``, without checking again.
+        ``x``'s frames, ``kernel``'s shape and ``time_pad``, without checking again. A
+        ``spatial_padding_mode`` that copies pixels pads ``x``'s other axes here
+        (:meth:`~.checks.Problem.pad_spatial`, each frame from its own pixels), so every
+        caller (the full pass, the replicate head, a stream's history and chunk, a
+        transposed layer's phases) pads the frames it convolves alike.
 
         Under the name scope :data:`SCOPE`: profiles and HLO show the layer by its op's
         name, and the causality audit tells it from a plain unmasked ``masked_conv`` (a
@@ -65,8 +69,9 @@ class TimeConv:
         must not), :func:`maskconv_kernels.audit.order.learn_include_current`.
         """
         p = self.problem
+        x = p.pad_spatial(x)
         spec = p.spec.resized(
-            x.shape[1:-1], ((time_pad, 0), *p.pads), kernel_shape=kernel.shape, segmented=segment_ids is not None
+            x.shape[1:-1], ((time_pad, 0), *p.conv_pads), kernel_shape=kernel.shape, segmented=segment_ids is not None
         )
         with jax.named_scope(SCOPE):
             return run(spec, x, kernel, backend=self.backend, interpret=self.interpret, config=self.config,
@@ -123,6 +128,7 @@ def causal_conv(
     dilation=1,
     padding="SAME",
     padding_mode: str = "zeros",
+    spatial_padding_mode: str = "zeros",
     feature_group_count: int = 1,
     dimension_numbers=None,
     segment_ids: jax.typing.ArrayLike | None = None,
@@ -149,6 +155,14 @@ def causal_conv(
         which has no other axis, and refused with other axes, whose padding it cannot say.
       padding_mode: the frames before frame 0: ``"zeros"``, or ``"replicate"`` (copies of
         frame 0, as Cosmos, CogVideoX and Wan's first chunk use).
+      spatial_padding_mode: what ``padding`` adds on the other axes: ``"zeros"``, or
+        copies of each frame's own pixels, ``"reflect"`` (mirrored without the edge, as
+        LTX-2's decoder pads), ``"replicate"`` (the edge repeated) or ``"circular"``
+        (wrapped): PyTorch's ``Conv3d(padding_mode=...)`` on the non-time axes, the name
+        LTX-Video's ``CausalConv3d`` gives it. A separate keyword from ``padding_mode``
+        because time can take neither a mirror nor a wrap (both read later frames). The
+        copies are a ``jnp.pad`` of the frames (a padded copy of ``x``); the contract
+        holds, since a copy is a pixel of the same frame. Not with ``segment_ids``.
       feature_group_count: as in ``lax.conv_general_dilated``.
       dimension_numbers: ``None`` (channels-last, as above) or lax's, e.g. ``("NCTHW",
         "OITHW", "NCTHW")`` (three strings, or a ``ConvDimensionNumbers``); time is the
@@ -157,7 +171,7 @@ def causal_conv(
         along time (or anywhere). No tap crosses a clip boundary, so a clip's first frames
         see zeros before it, as when it runs alone; negative ids mark padding (zero
         outputs, no gradient). Needs ``padding_mode="zeros"``, stride 1 and ``"SAME"``
-        on the other axes, and ``implementation=None`` or ``"xla"``.
+        with zeros on the other axes, and ``implementation=None`` or ``"xla"``.
       precision: ``lax.Precision`` (or its name) for the products: ``"highest"`` gives
         IEEE float32 products on GPUs (no TF32).
       implementation: ``None`` (per platform, when lowered, as ``masked_conv``'s) or one
@@ -182,8 +196,8 @@ def causal_conv(
     """
     problem, x, kernel, bias, ids = make_problem(
         "causal_conv", x, kernel, bias, segment_ids, strides=strides, dilation=dilation, padding=padding,
-        padding_mode=padding_mode, feature_group_count=feature_group_count, dimension_numbers=dimension_numbers,
-        precision=precision,
+        padding_mode=padding_mode, spatial_padding_mode=spatial_padding_mode, feature_group_count=feature_group_count,
+        dimension_numbers=dimension_numbers, precision=precision,
     )
     conv = time_conv("causal_conv", problem, implementation, interpret, config,
                      stride=problem.stride, dilation=problem.dilation[0])
@@ -200,6 +214,7 @@ def causal_conv_transpose(
     dilation=1,
     padding="SAME",
     padding_mode: str = "zeros",
+    spatial_padding_mode: str = "zeros",
     feature_group_count: int = 1,
     dimension_numbers=None,
     segment_ids: jax.typing.ArrayLike | None = None,
@@ -225,8 +240,8 @@ def causal_conv_transpose(
       bias: ``(C_out,)`` or ``None``.
       strides: ``s_T`` (an int, or time's then 1 for every other axis).
       dilation: 1 along time; the other axes' may be larger.
-      padding, padding_mode, feature_group_count, dimension_numbers, segment_ids
-        (output frame ``u`` belongs to the clip of input frame ``u // s_T``), precision,
+      padding, padding_mode, spatial_padding_mode, feature_group_count, dimension_numbers,
+        segment_ids (output frame ``u`` belongs to the clip of input frame ``u // s_T``), precision,
         implementation, interpret, config: as :func:`causal_conv`'s.
 
     Returns:
@@ -235,8 +250,8 @@ def causal_conv_transpose(
     """
     problem, x, kernel, bias, ids = make_problem(
         "causal_conv_transpose", x, kernel, bias, segment_ids, strides=strides, dilation=dilation, padding=padding,
-        padding_mode=padding_mode, feature_group_count=feature_group_count, dimension_numbers=dimension_numbers,
-        precision=precision, transposed=True,
+        padding_mode=padding_mode, spatial_padding_mode=spatial_padding_mode, feature_group_count=feature_group_count,
+        dimension_numbers=dimension_numbers, precision=precision, transposed=True,
     )
     conv = time_conv("causal_conv_transpose", problem, implementation, interpret, config, stride=1, dilation=1)
     y = transposed_phases(problem, kernel, lambda group, k: conv.causal(x, k, ids))

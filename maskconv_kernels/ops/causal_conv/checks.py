@@ -5,6 +5,12 @@ Everything after the checks is channels-last: ``x (N, T, *spatial, C_in)``, ``ke
 caller's ``dimension_numbers`` are a :class:`~maskconv_kernels.ops.masked_conv.layout.Layout`
 applied on the way in and out. Time is the first spatial axis.
 
+Two padding modes, because time and the other axes take different ones: time's
+(``padding_mode``) fills the frames before frame 0 and can only copy frame 0 (a reflected
+or wrapped time axis would read later frames); the other axes' (``spatial_padding_mode``,
+the name LTX-Video's and LTX-2's ``CausalConv3d`` give it) may mirror, repeat or wrap the
+frame's own pixels, as PyTorch's ``Conv3d(padding_mode=...)`` does.
+
 The problem carries the :class:`~maskconv_kernels.ops.masked_conv.spec.ConvSpec` of the
 convolution it runs (time padded ``((k_T - 1) * d_T, 0)``, the caller's padding on the
 other axes, every tap active), which is what ``masked_conv``'s implementations are asked
@@ -19,12 +25,15 @@ import numpy as np
 
 from ..._core.args import as_operand, as_segment_ids, float_dtype, ints, is_int, padding_pairs
 from ..._core.errors import OpError
+from ..._modules import pad_with_copies
 from ..masked_conv.layout import Layout
 from ..masked_conv.spec import ConvSpec, make_layout, make_spec
 
-__all__ = ["PADDING_MODES", "Problem", "make_problem"]
+__all__ = ["PADDING_MODES", "SPATIAL_PADDING_MODES", "Problem", "make_problem"]
 
 PADDING_MODES = ("zeros", "replicate")
+# The other axes' modes, PyTorch's names; each copying one is a jnp.pad mode of the frame.
+SPATIAL_PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +56,7 @@ class Problem:
     dilation: tuple[int, ...]
     pads: tuple[tuple[int, int], ...]
     padding_mode: str
+    spatial_padding_mode: str
     groups: int
     segmented: bool
     has_bias: bool
@@ -77,6 +87,30 @@ class Problem:
         """One frame of x, channels-last, without the batch: ``(*spatial, C_in)``."""
         return (*self.spatial, self.c_in)
 
+    @property
+    def copies_pixels(self) -> bool:
+        """Whether the other axes are padded with copies of the frame's pixels (not zeros)."""
+        return self.spatial_padding_mode != "zeros" and any(lo or hi for lo, hi in self.pads)
+
+    @property
+    def conv_pads(self) -> tuple[tuple[int, int], ...]:
+        """The other axes' ``(lo, hi)`` as the convolution applies them: the caller's zeros, or
+        none where :meth:`pad_spatial` padded the frames with copies first."""
+        return tuple((0, 0) for _ in self.pads) if self.copies_pixels else self.pads
+
+    def pad_spatial(self, x):
+        """``x (N, T', *spatial, C)`` with the other axes padded by ``spatial_padding_mode``.
+
+        A copying mode is ``jnp.pad`` of each frame on its own axes: every value it adds is
+        a pixel of the same frame (mirrored, repeated or wrapped), so no frame reads
+        another, causality along time is untouched, and a stream pads each chunk's frames
+        as the full pass pads them. Its transpose adds each copy's gradient to the pixel
+        it copies. With zeros, ``x`` as it is: the convolution pads.
+        """
+        if not self.copies_pixels:
+            return x
+        return pad_with_copies(x, self.pads, self.spatial_padding_mode, 2)
+
 
 def make_problem(
     op: str,
@@ -89,6 +123,7 @@ def make_problem(
     dilation=1,
     padding="SAME",
     padding_mode="zeros",
+    spatial_padding_mode="zeros",
     feature_group_count=1,
     dimension_numbers=None,
     precision=None,
@@ -117,6 +152,7 @@ def make_problem(
             f"{padding_mode!r}" + (
                 ": 'reflect' reads frames after 0, which a causal convolution must not see" if padding_mode in (
                     "reflect", "circular", "symmetric") else ""))
+    _check_spatial_padding_mode(err, spatial_padding_mode)
     ndim = len(x.shape) - 2
     if len(kernel.shape) != ndim + 2:
         raise err.value(
@@ -170,7 +206,8 @@ def make_problem(
             ids = layout.segment_ids(as_segment_ids(segment_ids, layout.segment_ids_shape(x.shape)))
         except (TypeError, ValueError) as e:
             raise err.reworded(e) from None
-        _check_segmented(err, strides_, pads, window, dilation_, padding_mode, transposed)
+        _check_segmented(err, strides_, pads, window, dilation_, padding_mode, spatial_padding_mode, transposed)
+    _check_copied_pads(err, spatial_padding_mode, pads)
     k_spec = kernel
     if transposed:
         # What the implementations are asked about: a phase's stride-1 causal convolution.
@@ -196,10 +233,17 @@ def make_problem(
     problem = Problem(
         batch=batch, frames=frames, spatial=tuple(spatial), c_in=c_in, c_out=c_out, window=window,
         strides=strides_, dilation=dilation_, pads=pads, padding_mode=padding_mode,
+        spatial_padding_mode=spatial_padding_mode,
         groups=int(feature_group_count), segmented=ids is not None, has_bias=bias is not None,
         transposed=bool(transposed), x_dtype=np.dtype(x.dtype), kernel_dtype=np.dtype(kernel.dtype),
         bias_dtype=bias_dtype, acc_dtype=acc, precision=spec.precision, layout=layout, spec=spec,
     )
+    if problem.copies_pixels:
+        # What the implementations are asked about is the convolution they run: the frames
+        # padded with copies (pad_spatial), and no padding of their own on those axes.
+        padded = tuple(n + lo + hi for n, (lo, hi) in zip(spatial, pads))
+        spec = spec.resized((spec.in_spatial[0], *padded), (spec.padding[0], *problem.conv_pads))
+        problem = dataclasses.replace(problem, spec=spec)
     return problem, layout.x(x), layout.kernel(kernel), bias, ids
 
 
@@ -222,8 +266,37 @@ def _causal_padding(err: OpError, padding, ndim: int):
     )
 
 
-def _check_segmented(err, strides, pads, window, dilation, padding_mode, transposed) -> None:
+def _check_spatial_padding_mode(err: OpError, mode) -> None:
+    if mode in SPATIAL_PADDING_MODES:
+        return
+    hint = ""
+    if isinstance(mode, str) and mode.lower() in SPATIAL_PADDING_MODES:
+        hint = f": the modes are lower-case, {mode.lower()!r}"
+    elif mode in ("edge", "wrap", "symmetric"):
+        hint = " (jnp.pad's 'edge' is 'replicate' and 'wrap' is 'circular'; 'symmetric' is not offered)"
+    raise err.value(
+        "spatial_padding_mode pads the axes after time, each frame on its own: 'zeros' (the default), 'reflect', "
+        f"'replicate' or 'circular' (PyTorch's names), got {mode!r}{hint}"
+    )
+
+
+def _check_copied_pads(err: OpError, mode: str, pads) -> None:
+    """A copying mode adds pixels: negative pads (a crop) are the convolution's alone, with zeros."""
+    if mode != "zeros" and any(lo < 0 or hi < 0 for lo, hi in pads):
+        raise err.value(
+            f"spatial_padding_mode={mode!r} pads with copies of pixels, which a negative pad (a crop) cannot take, "
+            f"got pads {pads}: crop x first, or pad with spatial_padding_mode='zeros'"
+        )
+
+
+def _check_segmented(err, strides, pads, window, dilation, padding_mode, spatial_padding_mode, transposed) -> None:
     """Packed clips need an output per input frame and pixel, each with its input's clip."""
+    if spatial_padding_mode != "zeros" and any(lo or hi for lo, hi in pads):
+        raise err.value(
+            f"segment_ids take spatial_padding_mode='zeros', got {spatial_padding_mode!r}: the segment ids name x's "
+            "positions, and a copied border pixel belongs to none of them; run the clips one by one, or pad the other "
+            "axes with zeros"
+        )
     if padding_mode != "zeros":
         raise err.value(
             "segment_ids take padding_mode='zeros' (a clip's first frames see zeros before it, as when it runs "

@@ -18,13 +18,25 @@ def _per_axis(value, ndim: int) -> tuple[int, ...]:
     return (int(value),) * ndim if np.ndim(value) == 0 else tuple(int(v) for v in value)
 
 
-def _spatial_sources(sizes, window, strides, dilation, pads, tap):
-    """Per non-time axis: ``(index, valid)`` of the input pixel each output pixel reads through ``tap``."""
+# spatial_padding_mode's copying modes as NumPy's np.pad names them.
+_NUMPY_MODES = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}
+
+
+def _spatial_sources(sizes, window, strides, dilation, pads, tap, mode="zeros"):
+    """Per non-time axis: ``(index, valid)`` of the input pixel each output pixel reads through ``tap``.
+
+    Outside the frame a pixel is zero (``mode="zeros"``: not valid) or, for a copying
+    mode, the pixel of the same frame that ``np.pad(mode=...)`` puts there.
+    """
     out = []
     for n, k, s, d, (lo, hi), j in zip(sizes, window, strides, dilation, pads, tap):
         o = (n + lo + hi - d * (k - 1) - 1) // s + 1
         source = np.arange(max(o, 0)) * s - lo + j * d
-        out.append((np.clip(source, 0, n - 1), (source >= 0) & (source < n)))
+        if mode == "zeros":
+            out.append((np.clip(source, 0, n - 1), (source >= 0) & (source < n)))
+        else:  # pixel `source` of the frame padded by (lo, hi) copies is pixel copied[source + lo] of the frame
+            copied = np.pad(np.arange(n), (lo, hi), mode=_NUMPY_MODES[mode])
+            out.append((copied[source + lo], np.ones(len(source), bool)))
     return out
 
 
@@ -80,14 +92,15 @@ def _resolved(x, kernel, strides, dilation, padding):
 
 
 def causal_conv_reference(
-    x, kernel, bias=None, *, strides=1, dilation=1, padding="SAME", padding_mode="zeros", feature_group_count=1,
-    segment_ids=None,
+    x, kernel, bias=None, *, strides=1, dilation=1, padding="SAME", padding_mode="zeros", spatial_padding_mode="zeros",
+    feature_group_count=1, segment_ids=None,
 ):
     """Float64 oracle of :func:`causal_conv` (channels-last arguments, same meaning).
 
     Output frame ``t`` at pixel ``o`` sums, over taps ``(j, *taps)``, input frame ``t * s_T
     - (k_T - 1) * d_T + j * d_T`` (before frame 0: zeros, or frame 0 for ``"replicate"``)
-    at pixel ``o * s - lo + tap * d`` (outside: zeros) times the tap's kernel; with
+    at pixel ``o * s - lo + tap * d`` (outside: zeros, or the pixel ``np.pad`` copies there
+    for a copying ``spatial_padding_mode``) times the tap's kernel; with
     ``segment_ids``, only inputs of the output's clip (output ``(t, o)`` is in input
     ``(t, o)``'s), and outputs of negative ids are zero.
     """
@@ -102,20 +115,21 @@ def causal_conv_reference(
         source = np.arange(out_frames) * s[0] - context + tap[0] * d[0]
         t_valid = source >= 0 if padding_mode == "zeros" else np.ones(out_frames, bool)
         t_index = np.clip(source, 0, frames - 1)
-        spatial = _spatial_sources(x.shape[2:-1], window[1:], s[1:], d[1:], pads, tap[1:])
+        spatial = _spatial_sources(x.shape[2:-1], window[1:], s[1:], d[1:], pads, tap[1:], spatial_padding_mode)
         y = _add_tap(y, x, kernel[tap], t_index, t_valid, spatial, ids, ids, feature_group_count)
     return _finish(y, bias, ids)
 
 
 def causal_conv_transpose_reference(
-    x, kernel, bias=None, *, strides=1, dilation=1, padding="SAME", padding_mode="zeros", feature_group_count=1,
-    segment_ids=None,
+    x, kernel, bias=None, *, strides=1, dilation=1, padding="SAME", padding_mode="zeros", spatial_padding_mode="zeros",
+    feature_group_count=1, segment_ids=None,
 ):
     """Float64 oracle of :func:`causal_conv_transpose` (channels-last arguments, same meaning).
 
     Input frame ``t`` adds, through time tap ``j``, its stride-1 convolution over the
     other axes with ``kernel[j]`` to output frame ``t * s_T + j``, for the outputs
-    ``u < T * s_T``; frames before 0 add nothing (``"zeros"``) or frame 0's (``"replicate"``).
+    ``u < T * s_T``; frames before 0 add nothing (``"zeros"``) or frame 0's (``"replicate"``);
+    the other axes are padded as :func:`causal_conv_reference` pads them.
     With ``segment_ids`` output ``u`` belongs to input frame ``u // s_T``'s clip and takes
     inputs of that clip only.
     """
@@ -136,6 +150,6 @@ def causal_conv_transpose_reference(
         t = source // factor
         t_valid = writes & ((t >= 0) if padding_mode == "zeros" else np.ones(out, bool))
         t_index = np.clip(t, 0, frames - 1)
-        spatial = _spatial_sources(x.shape[2:-1], window[1:], s[1:], d[1:], pads, tap[1:])
+        spatial = _spatial_sources(x.shape[2:-1], window[1:], s[1:], d[1:], pads, tap[1:], spatial_padding_mode)
         y = _add_tap(y, x, kernel[tap], t_index, t_valid, spatial, ids, out_ids, feature_group_count)
     return _finish(y, bias, out_ids)

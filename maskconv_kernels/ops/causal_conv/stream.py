@@ -168,6 +168,7 @@ def causal_conv_stream(
     dilation=1,
     padding="SAME",
     padding_mode: str = "zeros",
+    spatial_padding_mode: str = "zeros",
     feature_group_count: int = 1,
     dimension_numbers=None,
     segment_ids: jax.typing.ArrayLike | None = None,
@@ -186,9 +187,11 @@ def causal_conv_stream(
       state: ``None`` to start a stream, else the :class:`CausalConvState` the previous
         chunk returned (or :func:`causal_conv_stream_init`'s).
       kernel, bias: the layer's, as :func:`~.api.causal_conv` takes them.
-      strides, dilation, padding, padding_mode, feature_group_count, dimension_numbers,
-        precision, implementation, interpret, config: the layer's, as
-        :func:`~.api.causal_conv` takes them; the same for every chunk.
+      strides, dilation, padding, padding_mode, spatial_padding_mode, feature_group_count,
+        dimension_numbers, precision, implementation, interpret, config: the layer's, as
+        :func:`~.api.causal_conv` takes them; the same for every chunk. The state holds
+        the frames unpadded: a ``spatial_padding_mode`` pads each convolved frame as the
+        full pass does.
       segment_ids: the chunk's, ``(N, L, *spatial)``, if the layer packs clips (then
         with every chunk).
 
@@ -211,8 +214,9 @@ def causal_conv_stream(
     op = "causal_conv_stream"
     problem, conv, x, kernel, bias, ids = _setup(op, x_chunk, state, kernel, bias, segment_ids, dict(
         strides=strides, dilation=dilation, padding=padding, padding_mode=padding_mode,
-        feature_group_count=feature_group_count, dimension_numbers=dimension_numbers, precision=precision,
-        implementation=implementation, interpret=interpret, config=config,
+        spatial_padding_mode=spatial_padding_mode, feature_group_count=feature_group_count,
+        dimension_numbers=dimension_numbers, precision=precision, implementation=implementation, interpret=interpret,
+        config=config,
     ), False)
     length, stride, f = problem.frames, problem.stride, problem.context
     first, unchecked = state is None, False
@@ -258,6 +262,7 @@ def causal_conv_transpose_stream(
     dilation=1,
     padding="SAME",
     padding_mode: str = "zeros",
+    spatial_padding_mode: str = "zeros",
     feature_group_count: int = 1,
     dimension_numbers=None,
     segment_ids: jax.typing.ArrayLike | None = None,
@@ -275,8 +280,9 @@ def causal_conv_transpose_stream(
     op = "causal_conv_transpose_stream"
     problem, conv, x, kernel, bias, ids = _setup(op, x_chunk, state, kernel, bias, segment_ids, dict(
         strides=strides, dilation=dilation, padding=padding, padding_mode=padding_mode,
-        feature_group_count=feature_group_count, dimension_numbers=dimension_numbers, precision=precision,
-        implementation=implementation, interpret=interpret, config=config,
+        spatial_padding_mode=spatial_padding_mode, feature_group_count=feature_group_count,
+        dimension_numbers=dimension_numbers, precision=precision, implementation=implementation, interpret=interpret,
+        config=config,
     ), True)
     past = _history(state, x, problem)
     xe, ide = past.extend(x, ids)
@@ -298,13 +304,15 @@ def causal_conv_transpose_stream(
 
 def causal_conv_stream_init(
     x_chunk, kernel, *, transpose: bool = False, strides=1, dilation=1, padding="SAME", padding_mode: str = "zeros",
-    feature_group_count: int = 1, dimension_numbers=None, segment_ids=None, frames=None, frames_segment_ids=None,
-    offset: int = 0,
+    spatial_padding_mode: str = "zeros", feature_group_count: int = 1, dimension_numbers=None, segment_ids=None,
+    frames=None, frames_segment_ids=None, offset: int = 0,
 ) -> CausalConvState:
     """The state before a stream's next chunk: a new stream's (Flax's ``init``), or one adopted from a cache of frames.
 
     ``x_chunk`` and ``kernel`` may be arrays or ``jax.ShapeDtypeStruct`` s (only their
-    shapes and dtypes are read); ``segment_ids`` (their shape alone) if the stream packs
+    shapes and dtypes are read); ``x_chunk`` is a chunk as the layer takes it, its other
+    axes unpadded whatever ``spatial_padding_mode`` (the state holds input frames, which
+    each chunk's convolution pads); ``segment_ids`` (their shape alone) if the stream packs
     clips; ``transpose=True`` for :func:`causal_conv_transpose_stream`; the other
     keyword arguments the layer's. Without ``frames``, passing it is passing ``state=None``.
 
@@ -327,7 +335,8 @@ def causal_conv_stream_init(
     """
     op = "causal_conv_stream_init"
     kwargs = dict(strides=strides, dilation=dilation, padding=padding, padding_mode=padding_mode,
-                  feature_group_count=feature_group_count, dimension_numbers=dimension_numbers)
+                  spatial_padding_mode=spatial_padding_mode, feature_group_count=feature_group_count,
+                  dimension_numbers=dimension_numbers)
     struct = lambda a, dtype=None: jax.ShapeDtypeStruct(tuple(a.shape), dtype or a.dtype)  # noqa: E731
     found = {}
 
