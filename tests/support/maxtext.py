@@ -1,4 +1,4 @@
-"""A faithful re-implementation of MaxText's short convolution, the layer the porting tests port.
+"""Faithful re-implementations of MaxText's short convolutions, the layers the porting tests port.
 
 MaxText's Qwen3-Next gated DeltaNet (``src/MaxText/layers/qwen3.py``,
 ``Qwen3NextGatedDeltaNet``) convolves its ``q, k, v`` projections with::
@@ -16,6 +16,16 @@ padding ``0``, which this convolution ignores.
 :class:`MaxTextShortConv` is that: the same ``nnx.Conv``, the same float32 SiLU, the same
 state (read naively from the row's last ``K - 1`` positions, as MaxText reads it; the tests
 take it from unpadded rows, where it is right).
+
+MaxText's Engram layer (``src/MaxText/layers/engram.py``, ``ShortConv``) normalises each of its
+``G`` groups with an ``nnx.RMSNorm``, concatenates them and convolves with a depthwise,
+dilated ``CAUSAL`` conv (``dilation = max_ngram_size``), float32 throughout::
+
+    self.conv = nnx.Conv(G * C, G * C, kernel_size=(K,), feature_group_count=G * C,
+                         kernel_dilation=(dilation,), padding="CAUSAL", use_bias=False, rngs=rngs)
+    y = self.act_fn(self.conv(jnp.concatenate([norm_i(x[:, :, i]) for i ...], -1)))  # SiLU
+
+:class:`MaxTextEngramConv` is that, ``x (B, L, G, C)`` -> ``(B, L, G, C)``.
 """
 from __future__ import annotations
 
@@ -23,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["MaxTextShortConv", "maxtext_segment_ids"]
+__all__ = ["MaxTextShortConv", "MaxTextEngramConv", "maxtext_segment_ids"]
 
 
 class MaxTextShortConv(nnx.Module):
@@ -51,6 +61,25 @@ class MaxTextShortConv(nnx.Module):
         window = jnp.concatenate([conv_state, tokens.astype(self.dtype)], axis=1)
         y = self._silu(self.conv1d(window))[:, conv_state.shape[1]:]
         return y, window[:, window.shape[1] - (self.kernel_size - 1):]
+
+
+class MaxTextEngramConv(nnx.Module):
+    """MaxText Engram's ``ShortConv``: group-wise RMS norms, a depthwise dilated causal conv, SiLU."""
+
+    def __init__(self, hidden_size: int, kernel_size: int = 4, dilation: int = 3, hc_mult: int = 4, *,
+                 rngs: nnx.Rngs):
+        channels = hidden_size * hc_mult
+        self.conv = nnx.Conv(channels, channels, kernel_size=(kernel_size,), feature_group_count=channels,
+                             kernel_dilation=(dilation,), padding="CAUSAL", use_bias=False, rngs=rngs)
+        self.norms = nnx.List([nnx.RMSNorm(num_features=hidden_size, rngs=rngs) for _ in range(hc_mult)])
+
+    def normed(self, x):
+        """``(B, L, G * C)``: each group normalised, concatenated (what the conv reads)."""
+        return jnp.concatenate([self.norms[i](x[:, :, i, :]) for i in range(x.shape[2])], axis=-1)
+
+    def __call__(self, x):
+        b, length, g, c = x.shape
+        return jax.nn.silu(self.conv(self.normed(x))).reshape(b, length, g, c)
 
 
 def maxtext_segment_ids(lengths, total: int):
