@@ -65,7 +65,8 @@ def test_the_site_has_its_pages():
     names = {_name(p) for p in PAGES}
     for name in ("index.md", "getting_started.md", "masked_conv.md", "backends.md", "modules.md",
                  "generation.md", "sequence_models.md", "many_devices.md", "audit.md", "performance.md",
-                 "development.md", "api.md", "design/index.md", "compat.md", "causal_conv.md", "serving.md"):
+                 "development.md", "api.md", "design/index.md", "compat.md", "causal_conv.md", "serving.md",
+                 "porting.md"):
         assert name in names, name
 
 
@@ -106,7 +107,8 @@ def _snippets():
 
 def test_pages_have_snippets_to_run():
     pages = {name for name, _, _ in _snippets()}
-    assert len(_snippets()) >= 20 and {"masked_conv.md", "sequence_models.md", "serving.md", "many_devices.md"} <= pages
+    assert len(_snippets()) >= 20 and {"masked_conv.md", "sequence_models.md", "serving.md", "many_devices.md",
+                                           "porting.md"} <= pages
 
 
 @pytest.mark.slow
