@@ -13,7 +13,8 @@ frame's own pixels, as PyTorch's ``Conv3d(padding_mode=...)`` does.
 
 The problem carries the :class:`~maskconv_kernels.ops.masked_conv.spec.ConvSpec` of the
 convolution it runs (time padded ``((k_T - 1) * d_T, 0)``, the caller's padding on the
-other axes, every tap active), which is what ``masked_conv``'s implementations are asked
+other axes, or none on frames that :meth:`Problem.pad_spatial` padded with copies; every
+tap active), which is what ``masked_conv``'s implementations are asked
 about: an implementation that cannot take it says why, and ``causal_conv`` says it.
 """
 from __future__ import annotations
