@@ -35,8 +35,8 @@ def nothing_to_interpret(op: str, registry, implementation: str | None, interpre
     """
     if not interpret:
         return False
-    runs = (implementation,) if implementation is not None else [n for names in registry.preference.values() for n in names]
-    if any(name != XLA for name in runs):
+    runs = registry.candidates(None if implementation is None else registry.get(implementation))
+    if any(record.name != XLA for record in runs):
         return False
     kernels = ", ".join(f'"{name}"' for name in registry.names if name != XLA)
     given = 'implementation="xla"' if implementation is not None else f'implementation=None, which runs "xla" for {op}'

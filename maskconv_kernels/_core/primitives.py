@@ -283,7 +283,6 @@ class Kernels:
 
     def __init__(self, registry):
         self.registry = registry
-        self.partitioned: set[Primitive] = set()
         self._flavours: dict[Primitive, tuple[Primitive, Primitive]] = {}
 
     def primitives(self, name: str, *, multiple_results: bool = False) -> tuple[Primitive, Primitive]:
@@ -291,7 +290,6 @@ class Kernels:
         named ``name`` (what jaxprs show), the second ``name + "_unpartitioned"``."""
         split = primitive(name, multiple_results=multiple_results, needs_devices=True)
         plain = primitive(f"{name}_unpartitioned", multiple_results=multiple_results)
-        self.partitioned.add(split)
         self._flavours[plain] = self._flavours[split] = (split, plain)
         return split, plain
 
@@ -328,7 +326,7 @@ class Kernels:
         segfaults on several CPU devices, jax 0.10.2 and 0.12.0).
         """
         partitioned = None
-        if prim in self.partitioned and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
+        if prim is self._flavours[prim][0] and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
             partitioned = batch_partitioned(fn, batched_in, batched_out, multiple_results)
         return kernel_rule(fn, multiple_results=multiple_results, lowering_warnings=backend.lowering_warnings,
                            partitioned=partitioned)

@@ -15,6 +15,8 @@ import pytest
 
 from maskconv_kernels._core.hardware import COMPUTE_CAPABILITY, gpu_target
 from maskconv_kernels._core.primitives import PALLAS_TRITON_DEPRECATION
+from maskconv_kernels.ops.masked_conv import maps
+from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
 
 __all__ = ["cuda_lowering", "capture_triton_modules", "compile_triton_modules", "kernel_jaxprs", "count"]
 
@@ -101,9 +103,6 @@ def kernel_jaxprs(backend, spec, dtype, platform: str, interpret: bool = False) 
     """``{pallas_call name: kernel jaxpr}`` of a kernel backend's three kernels (its module:
     ``forward``, ``input_grad``, ``weight_grad``) as masked_conv's maps run them lowered for
     ``platform``, at a batch of 2."""
-    from maskconv_kernels.ops.masked_conv import maps
-    from maskconv_kernels.ops.masked_conv.kernel_problem import kernel_problem
-
     job = maps.Job(spec, kernel_problem(spec), None, interpret, platform, np.dtype(dtype))
     p, n = job.problem, 2
     x = jax.ShapeDtypeStruct(p.x_shape(n), dtype)
