@@ -156,7 +156,8 @@ def main(argv=None) -> int:
         return _module(args.mode).run(args)
     platform_name = jax.default_backend()
     args.prefix = prefix(args, platform_name)
-    estimate = ESTIMATES.get((args.mode, preset_name(args, platform_name)), "not measured for this preset")
+    presets = getattr(_module(args.mode), "PRESETS", ())  # what auto picks from, as the mode's run() does
+    estimate = ESTIMATES.get((args.mode, preset_name(args, platform_name, presets)), "not measured for this preset")
     print(f"maskconv-kernels benchmark {args.mode}: writing {args.prefix}.* (estimate: {estimate})",
           file=sys.stderr, flush=True)
     try:
