@@ -17,6 +17,7 @@ import sys
 import textwrap
 
 import pytest
+from support import compile_grid
 
 from maskconv_kernels.ops.masked_conv import xla
 
@@ -35,7 +36,7 @@ def _child_env() -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_backend_optimization_level" not in f]
     env["XLA_FLAGS"] = " ".join(flags)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SUPPORT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(SUPPORT), env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -71,11 +72,6 @@ def test_compile_grid(dtype):
 
 def test_auto_is_conv_on_the_grid():
     """So the grid need not compile "auto" again: lowered for CPU it runs "conv" for every map there."""
-    sys.path.insert(0, SUPPORT)
-    try:
-        import compile_grid
-    finally:
-        sys.path.remove(SUPPORT)
     for p in compile_grid.problems():
         spec = compile_grid.spec(p)
         assert {xla.cpu_strategy(spec, kind) for kind in xla.MAPS} == {"conv"}, compile_grid.case_id(p)

@@ -22,7 +22,6 @@ bounds from ``|x|``, ``|kernel|`` and ``|dy|``. A strategy whose programs are an
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import sys
 
@@ -34,6 +33,7 @@ from jax import lax
 import maskconv_kernels as mk
 from maskconv_kernels.ops.masked_conv import xla
 from maskconv_kernels.ops.masked_conv.spec import make_spec
+from support.lax_oracle import dense_mask
 
 SPATIAL = {1: "W", 2: "HW", 3: "DHW"}
 
@@ -102,7 +102,7 @@ def _shape(letters: str, sizes: dict) -> tuple[int, ...]:
 
 
 def _operands(p: dict, dtype):
-    """x, kernel and mask in the problem's layouts, and a cotangent, all rounded to ``dtype``."""
+    """x and the kernel in the problem's layouts, rounded to ``dtype``, and the mask in the kernel's order."""
     lhs, rhs, _ = p["dimension_numbers"]
     s = SPATIAL[p["ndim"]]
     x_sizes = dict(N=p["batch"], C=p["c_in"], **dict(zip(s, p["spatial"])))
@@ -137,13 +137,6 @@ def spec(p: dict):
         lhs_dilation=a["lhs_dilation"], feature_group_count=a["feature_group_count"],
         dimension_numbers=a["dimension_numbers"],
     ).channels_last()
-
-
-def _dense_mask(mask, k_shape, rhs: str, s: str):
-    if mask.ndim == len(k_shape):
-        return jnp.asarray(mask)
-    shape = [n if c in s else 1 for c, n in zip(rhs, k_shape)]
-    return jnp.broadcast_to(jnp.asarray(mask).reshape(shape), k_shape)
 
 
 def _reference(x, k, ct, dense, args):
@@ -193,7 +186,8 @@ def check(p: dict, strategies, dtype, seen: set) -> None:
         y = forward.compile()(x, k)
         dx, dk = backward.compile()(x, k, ct)
         if want is None:
-            dense = _dense_mask(mask, k.shape, p["dimension_numbers"][1], SPATIAL[p["ndim"]])
+            dn = lax.conv_dimension_numbers(x.shape, k.shape, args["dimension_numbers"])
+            dense = jnp.asarray(dense_mask(mask, k.shape, dn))
             want = dense, _reference(x, k, ct, dense, tuple(args.items()))
         _assert_within_bounds((y, dx, dk), *want, dtype)
         print("ok", flush=True)
