@@ -4,10 +4,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import maskconv_kernels as mk
 
-__all__ = ["TOLERANCE", "DTYPES", "random", "assert_close", "second_order", "assert_second_order_close"]
+__all__ = [
+    "TOLERANCE", "DTYPES", "pass_roundoff", "tolerance", "random", "assert_close", "second_order",
+    "assert_second_order_close",
+]
 
 
 # Error bound per unit of sqrt(reduction length) * max|x| * max|kernel|. The reference
@@ -24,6 +28,70 @@ TOLERANCE = {
 
 DTYPES = [np.dtype("float32"), np.dtype(jax.numpy.bfloat16), np.dtype("float16")]
 
+# A TPU's MXU multiplies bfloat16: a float32 (or float16) product is made of bfloat16
+# passes, as many as the precision asks for. One pass (DEFAULT) rounds each
+# operand to bfloat16 (8 significant bits, unit roundoff u = 2^-8), so a product is off
+# by at most (1 + u)^2 - 1 ~ 2u = 2^-7 of |x| |k|. Three passes (HIGH: x = hi + lo, each
+# a bfloat16, hi*hi + hi*lo + lo*hi) drop lo*lo and lo's own rounding, each at most
+# u^2 = 2^-16 of the product: 3 u^2 < 2^-14. Six passes (HIGHEST) are float32 products,
+# which TOLERANCE already covers. The accumulation is float32 in every case. Float64 is
+# not an MXU type: XLA:TPU computes it in software, within TOLERANCE's 2^-49 (the spatial
+# padding suite's float64 checks hold there on a v5e).
+_PASS_ROUNDOFF = {lax.Precision.DEFAULT: 2.0**-7, lax.Precision.HIGH: 2.0**-14, lax.Precision.HIGHEST: 0.0}
+# Names jax_default_matmul_precision takes besides lax.Precision's (jax >= 0.5's dot algorithms).
+_ALGORITHMS = {"BF16_BF16_F32": "default", "BF16_BF16_F32_X3": "high", "TF32_TF32_F32": "high",
+               "BF16_BF16_F32_X6": "highest", "F32_F32_F32": "highest"}
+
+
+def _precision_in_force(precision) -> lax.Precision:
+    """``precision`` (a ``lax.Precision``, its name, a pair of them, or ``None``: the one
+    ``jax_default_matmul_precision`` sets, itself ``None`` for DEFAULT) as one ``lax.Precision``:
+    of a pair, the one of fewer passes (the operand rounded most sets the error)."""
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    if precision is None:
+        return lax.Precision.DEFAULT
+    if isinstance(precision, (tuple, list)):
+        return max((_precision_in_force(p) for p in precision), key=_PASS_ROUNDOFF.get)
+    if isinstance(precision, str):
+        name = _ALGORITHMS.get(precision.upper(), precision.lower())
+        try:
+            return lax.Precision(name)
+        except ValueError:
+            return lax.Precision.DEFAULT  # an algorithm not named here: assume the fewest passes
+    return lax.Precision(precision)
+
+
+def pass_roundoff(dtype, precision=None, backend: str | None = None) -> float:
+    """Relative error of one product that the matrix unit adds for ``dtype`` operands at
+    ``precision`` (``None``: the precision in force) on ``backend`` (``None``: jax's default),
+    beyond IEEE products: 0.0 but on a TPU below ``HIGHEST`` for float32 and float16 operands.
+
+    CPU dots are IEEE whatever the precision. On GPUs the suites ask for ``HIGHEST``
+    (:class:`support.harness.Implementation`); TF32 (the GPU default for float32) is not
+    modelled here, so GPU bounds are today's whatever the precision.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend != "tpu" or np.dtype(dtype) not in (np.dtype(np.float32), np.dtype(np.float16)):
+        return 0.0  # IEEE products; bfloat16 operands, exact in a bfloat16 pass; float64, not on the MXU
+    return _PASS_ROUNDOFF[_precision_in_force(precision)]
+
+
+def tolerance(dtype, reduction: int, precision=None, backend: str | None = None, operands=None) -> float:
+    """Error bound, per unit of ``max|x| * max|kernel|``, of a sum of ``reduction`` products in ``dtype``
+    (of ``operands``, their dtype where it is not the result's: 16-bit inputs summed into float32).
+
+    ``TOLERANCE[dtype] * sqrt(reduction)``, plus, where the products are not IEEE
+    (:func:`pass_roundoff`: a TPU below ``HIGHEST``), ``pass_roundoff * sqrt(reduction)``:
+    each product's rounding is at most ``pass_roundoff`` of its magnitude, itself at most
+    the scale, and the roundings of independent operands have zero mean, so their sum
+    grows as sqrt(reduction), the model TOLERANCE's float32 entries use too (the worst
+    case, every rounding of one sign, would be ``reduction`` times; the inputs are random).
+    The same on CPUs whatever ``precision``: TOLERANCE's.
+    """
+    per_term = TOLERANCE[np.dtype(dtype)] + pass_roundoff(dtype if operands is None else operands, precision, backend)
+    return per_term * np.sqrt(max(reduction, 1))
+
 
 def random(key, shape, dtype=np.float32, scale=1.0):
     """Standard normal values, drawn in float32 by NumPy and cast (never zeros).
@@ -34,13 +102,17 @@ def random(key, shape, dtype=np.float32, scale=1.0):
     return jnp.asarray(values.astype(dtype))  # cast by NumPy (ml_dtypes): no convert to compile either
 
 
-def assert_close(actual, expected, dtype, reduction: int, scale: float):
-    """``|actual - expected| <= TOLERANCE[dtype] * sqrt(reduction) * scale`` everywhere, no NaN."""
+def assert_close(actual, expected, dtype, reduction: int, scale: float, precision=None, operands=None):
+    """``|actual - expected| <= tolerance(dtype, reduction, precision, operands=operands) * scale`` everywhere, no NaN.
+
+    ``precision``: what ``actual``'s products ran at (``None``: the precision in force);
+    ``operands``: their dtype, where it is not ``dtype``.
+    """
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     assert np.isfinite(actual).all(), "non-finite values in the result"
-    bound = TOLERANCE[np.dtype(dtype)] * np.sqrt(max(reduction, 1)) * scale
+    bound = tolerance(dtype, reduction, precision, operands=operands) * scale
     err = np.abs(actual - expected).max(initial=0.0)
     assert err <= bound, f"max error {err:.3g} exceeds {bound:.3g} (reduction {reduction}, scale {scale:.3g})"
 
