@@ -155,10 +155,10 @@ def test_linen_matches_flax_conv(case):
     g_theirs, y_theirs = _apply_and_grad(theirs, dy)(params, x)
     assert y_ours.dtype == y_theirs.dtype
     bounds = _bounds(case, x, params["params"]["kernel"], dy)
-    assert_close(y_ours, y_theirs, case.dtype, *bounds["out"])
+    assert_close(y_ours, y_theirs, case.dtype, *bounds["out"], **COMMON)
     for name in params["params"]:
-        assert_close(g_ours[0]["params"][name], g_theirs[0]["params"][name], case.dtype, *bounds[name])
-    assert_close(g_ours[1], g_theirs[1], case.dtype, *bounds["x"])
+        assert_close(g_ours[0]["params"][name], g_theirs[0]["params"][name], case.dtype, *bounds[name], **COMMON)
+    assert_close(g_ours[1], g_theirs[1], case.dtype, *bounds["x"], **COMMON)
     masked = ~case.full_mask()
     assert (np.asarray(g_ours[0]["params"]["kernel"])[masked] == 0).all()
 
@@ -198,10 +198,10 @@ def test_nnx_matches_flax_nnx_conv(case):
     grad = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
     g_ours, g_theirs = grad(ours, x), grad(theirs, x)
     bounds = _bounds(case, x, theirs.kernel[...], dy)
-    assert_close(nnx.jit(lambda m, x: m(x))(ours, x), y_theirs, case.dtype, *bounds["out"])
-    assert_close(g_ours[0]["kernel"][...], g_theirs[0]["kernel"][...], case.dtype, *bounds["kernel"])
-    assert_close(g_ours[0]["bias"][...], g_theirs[0]["bias"][...], case.dtype, *bounds["bias"])
-    assert_close(g_ours[1], g_theirs[1], case.dtype, *bounds["x"])
+    assert_close(nnx.jit(lambda m, x: m(x))(ours, x), y_theirs, case.dtype, *bounds["out"], **COMMON)
+    assert_close(g_ours[0]["kernel"][...], g_theirs[0]["kernel"][...], case.dtype, *bounds["kernel"], **COMMON)
+    assert_close(g_ours[0]["bias"][...], g_theirs[0]["bias"][...], case.dtype, *bounds["bias"], **COMMON)
+    assert_close(g_ours[1], g_theirs[1], case.dtype, *bounds["x"], **COMMON)
 
 
 def test_linen_module_with_array_mask_is_hashable_and_clonable():

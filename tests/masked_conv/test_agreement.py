@@ -94,7 +94,7 @@ def test_dtypes_accumulate_in_float32(conv, case, dtype):
     # float32 output from 16-bit inputs: rounding of the output is gone, only f32 sums remain.
     y32 = conv(x, k, case.mask, preferred_element_type=np.float32, **case.conv_args)
     assert y32.dtype == np.float32
-    assert_close(y32, ref, np.float32, case.reduction(), _scale(x) * _scale(k))
+    assert_close(y32, ref, np.float32, case.reduction(), _scale(x) * _scale(k), operands=dtype)
 
 
 @pytest.mark.parametrize(

@@ -193,7 +193,7 @@ def test_conv_preferred_element(case):
         args = {a: v for a, v in case["conv_args"].items() if a != "preferred_element_type"}
         expected, _ = lax_conv64(x, k, mask, **args)
         assert y.dtype == preferred
-        assert_close(y, expected, bound, *bounds(x, k, mask, expected, **args)["y"])
+        assert_close(y, expected, bound, *bounds(x, k, mask, expected, **args)["y"], operands=dtype)
 
 
 def test_conv_transpose_padding_list():

@@ -186,12 +186,12 @@ def test_forward_and_gradients_match_the_float64_reference(name):
     assert y.dtype == dtype
     taps = int(mask.sum()) if mask.ndim == len(window) else int(mask.any(axis=(-2, -1)).sum())
     mx = lambda a: float(np.abs(np.asarray(a, np.float64)).max())
-    assert_close(y, masked_conv_reference(x, k, mask, **kw), dtype, taps * c_in, mx(x) * mx(k))
+    assert_close(y, masked_conv_reference(x, k, mask, **kw), dtype, taps * c_in, mx(x) * mx(k), precision="highest")
     dy = random(4, y.shape, dtype)
     dx, dk = vjp(dy)
     rdx, rdk = masked_conv_reference_vjp(x, k, mask, dy, **kw)
-    assert_close(dx, rdx, dtype, taps * c_out, mx(dy) * mx(k))
-    assert_close(dk, rdk, dtype, int(np.prod(y.shape[:-1])), mx(dy) * mx(x))
+    assert_close(dx, rdx, dtype, taps * c_out, mx(dy) * mx(k), precision="highest")
+    assert_close(dk, rdk, dtype, int(np.prod(y.shape[:-1])), mx(dy) * mx(x), precision="highest")
     dense = mask if mask.ndim == len(window) + 2 else np.broadcast_to(mask[..., None, None], k.shape)
     assert (np.asarray(dk)[~dense] == 0.0).all()
 
@@ -204,13 +204,13 @@ def test_float32_output_from_bfloat16_inputs_and_float32_cotangents(dtype):
     y, vjp = jax.vjp(_conv(mask, preferred_element_type=np.float32, precision="highest"), x, k)
     assert y.dtype == np.float32
     mx = lambda a: float(np.abs(np.asarray(a, np.float64)).max())
-    assert_close(y, masked_conv_reference(x, k, mask), np.float32, 4 * 4, mx(x) * mx(k))
+    assert_close(y, masked_conv_reference(x, k, mask), np.float32, 4 * 4, mx(x) * mx(k), precision="highest")
     dy = random(7, y.shape, np.float32)
     dx, dk = vjp(dy)
     assert dx.dtype == dtype and dk.dtype == dtype
     rdx, rdk = masked_conv_reference_vjp(x, k, mask, dy)
-    assert_close(dx, rdx, dtype, 4 * 5, mx(dy) * mx(k))
-    assert_close(dk, rdk, dtype, 2 * 8 * 9, mx(dy) * mx(x))
+    assert_close(dx, rdx, dtype, 4 * 5, mx(dy) * mx(k), precision="highest")
+    assert_close(dk, rdk, dtype, 2 * 8 * 9, mx(dy) * mx(x), precision="highest")
 
 
 # --------------------------------------------------------------------------- exactness: NaN isolation
@@ -265,7 +265,7 @@ def test_weight_gradient_of_a_tap_excludes_inputs_only_other_taps_read(config):
     _, rdk = masked_conv_reference_vjp(x, k, mask, dy)
     assert np.isnan(rdk[2, 2]).all() and np.isnan(dk[2, 2]).all()
     mx = lambda a: float(np.nanmax(np.abs(np.asarray(a, np.float64))))
-    assert_close(dk[0, 0], rdk[0, 0], np.float32, 7 * 5, mx(dy) * mx(x))
+    assert_close(dk[0, 0], rdk[0, 0], np.float32, 7 * 5, mx(dy) * mx(x), precision="highest")
 
 
 def test_nan_in_channels_only_masked_entries_read_reaches_nothing():
