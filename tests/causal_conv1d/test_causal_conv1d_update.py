@@ -214,8 +214,13 @@ def test_a_rows_result_does_not_depend_on_other_slots():
 
 @pytest.mark.parametrize("circular", [False, True], ids=["linear", "circular"])
 def test_the_pool_is_updated_in_place_under_jit_with_donation(circular):
-    """The compiled program aliases the pool to its output and holds no copy of it; the buffer is reused."""
-    slots, dim = 64, 32
+    """The compiled program aliases the pool to its output and holds no copy of it; the buffer is reused.
+
+    On every platform: the alias in the module's header, temporaries smaller than the pool as
+    the platform stores it (a copy would need all of it: its tiles padded on a TPU), and the
+    output in the donated buffer. XLA:CPU's HLO is also read (no copy op, a scatter into
+    the pool); other compilers write the update in their own ops and layouts."""
+    slots, dim = 256, 32  # the pool much larger than the step's temporaries, tiles padded or not
     pool = jnp.zeros((slots, 3, dim))
     x, w, b = random(0, (4, 1, dim)), random(1, (4, dim)), random(2, (dim,))
     indices = jnp.array([9, PAD_SLOT_ID, 40, 3], jnp.int32)
@@ -224,13 +229,18 @@ def test_the_pool_is_updated_in_place_under_jit_with_donation(circular):
         lambda x, pool, idx, n: causal_conv1d_update(x, pool, w, b, state_indices=idx, cache_seqlens=n),
         donate_argnums=1,
     )
-    hlo = update.lower(x, pool, indices, seqlens).compile().as_text()
+    compiled = update.lower(x, pool, indices, seqlens).compile()
+    hlo = compiled.as_text()
     header = next(line for line in hlo.splitlines() if line.startswith("HloModule"))
     assert "input_output_alias={ {1}: (1, {}" in header, header  # output 1 (the pool) is parameter 1's buffer
-    pool_shape = f"f32[{slots},3,{dim}]"
-    copies = re.findall(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} copy\(", hlo)
-    assert not copies, copies
-    assert re.search(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} scatter\(", hlo)
+    memory = compiled.memory_analysis()
+    assert memory.alias_size_in_bytes >= pool.nbytes, memory
+    assert memory.temp_size_in_bytes < memory.alias_size_in_bytes, memory
+    if jax.default_backend() == "cpu":
+        pool_shape = f"f32[{slots},3,{dim}]"
+        copies = re.findall(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} copy\(", hlo)
+        assert not copies, copies
+        assert re.search(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} scatter\(", hlo), hlo
     address = pool.unsafe_buffer_pointer()
     _, new = update(x, pool, indices, seqlens)
     assert pool.is_deleted() and new.unsafe_buffer_pointer() == address
