@@ -100,12 +100,16 @@ def test_other_ids_keep_their_meaning():
 
 
 def test_sequence_sharded_takes_padding_id():
-    mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+    # Two devices: the host's CPUs (tests/conftest.py gives every session 8), which a
+    # one-chip TPU machine has too; the unsharded pass runs there as well, for the bits.
+    cpus = jax.devices("cpu")
+    mesh = jax.make_mesh((2,), ("seq",), devices=cpus[:2])
     ids = np.concatenate([MAXTEXT_IDS, np.zeros((3, 3), np.int32)], axis=1)  # 16 positions, 8 a shard
     x, weight = random(9, ids.shape + (D,)), random(10, (W, D))
     got = sequence_sharded_causal_conv1d(x, weight, mesh=mesh, axis_name="seq", segment_ids=ids, padding_id=0,
                                          return_final_state=True)
-    expected = causal_conv1d(x, weight, segment_ids=ids, padding_id=0, return_final_state=True)
+    with jax.default_device(cpus[0]):
+        expected = causal_conv1d(x, weight, segment_ids=ids, padding_id=0, return_final_state=True)
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
 
