@@ -4,12 +4,12 @@
 platform. The ``xla`` implementation is made of XLA operations, which run on every
 platform as they are: it has no kernel to interpret, and a call asking for one runs as
 ``interpret=False`` would, to the bit. Saying nothing would hide a slip: a test written
-to exercise a kernel on CPU (``causal_conv1d``'s ``implementation=None`` always runs
-``xla``) would exercise none and pass. So every op that takes ``interpret`` warns when
-every implementation its call can run is ``xla``, and then runs it with
-``interpret=False``. ``implementation=None`` in ``masked_conv`` and ``causal_conv`` is
-not warned about: a platform's preference there holds kernel implementations, which
-``interpret=True`` runs in their interpreter where the function is lowered for it.
+to exercise a kernel on CPU (with ``implementation="xla"``) would exercise none and
+pass. So every op that takes ``interpret`` warns when every implementation its call can
+run is ``xla``, and then runs it with ``interpret=False``. ``implementation=None`` is
+not warned about where a platform's preference holds kernel implementations (every op's
+today: ``causal_conv1d``'s TPU kernels lead the TPU's), which ``interpret=True`` runs in
+their interpreter where the function is lowered for that platform.
 Called by :meth:`~maskconv_kernels._core.registry.Registry.resolve`.
 """
 from __future__ import annotations

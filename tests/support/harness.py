@@ -24,7 +24,7 @@ import pytest
 
 from maskconv_kernels._core.registry import Registry, lowering_platform
 
-__all__ = ["ON_GPU", "PLATFORM", "Op", "Implementation", "suite_dtype", "implementations", "params", "cases"]
+__all__ = ["ON_GPU", "PLATFORM", "Op", "Implementation", "compiled_here", "suite_dtype", "implementations", "params", "cases"]
 
 ON_GPU = jax.default_backend() == "gpu"
 PLATFORM = lowering_platform()
@@ -102,6 +102,13 @@ class Implementation:
         return self.op.function(*args, **self.kwargs(**kw))
 
 
+def compiled_here(record) -> bool:
+    """Whether the suites run a kernel backend compiled here: on a GPU (as they always
+    have), or where its kernels lower for this platform (the TPU kernels on a TPU);
+    elsewhere they run in its interpreter."""
+    return ON_GPU or PLATFORM in (record.platforms or ())
+
+
 def suite_dtype(op: Op, record, interpret: bool = not ON_GPU) -> np.dtype | None:
     """The dtype the shared suites run a backend in: float32 where it takes it, else
     bfloat16 (the Mosaic GPU conv kernels: wgmma's float32 mode is TF32 on K-major
@@ -120,8 +127,8 @@ def implementations(
     why each of the others does not (``missing``, by registry name).
 
     ``"xla"`` runs as it is, in float32; ``variants`` are more entries (an implementation
-    under another config). Kernel backends run compiled on a GPU and in their interpreters
-    elsewhere (``<name>_interpret``), in :func:`suite_dtype`. ``kind``: the class of the
+    under another config). Kernel backends run compiled where :func:`compiled_here` says
+    and in their interpreters elsewhere (``<name>_interpret``), in :func:`suite_dtype`. ``kind``: the class of the
     entries, an op's :class:`Implementation` with more methods. ``configs``: a kernel
     backend's config by registry name (tiles small enough that test sizes take several).
     """
@@ -132,12 +139,13 @@ def implementations(
     for record in op.registry:
         if record.name == "xla":
             continue
-        dtype = suite_dtype(op, record)
+        interpret = not compiled_here(record)
+        dtype = suite_dtype(op, record, interpret)
         if dtype is None:
-            missing[record.name] = str(record.unsupported(op.probe(F32), PLATFORM, not ON_GPU))
+            missing[record.name] = str(record.unsupported(op.probe(F32), PLATFORM, interpret))
             continue
-        name = record.name if ON_GPU else f"{record.name}_interpret"
-        found[name] = kind(op, name, record.name, interpret=not ON_GPU, config=configs.get(record.name), dtype=dtype)
+        name = f"{record.name}_interpret" if interpret else record.name
+        found[name] = kind(op, name, record.name, interpret=interpret, config=configs.get(record.name), dtype=dtype)
     return found, missing
 
 

@@ -2,8 +2,8 @@
 cases, a float64 oracle written from the formula, and the checks every implementation runs.
 
 Each check takes the implementation as a function (its interpreter and tiles bound by the
-caller) and the case's arrays, so that ``xla``, ``pallas_triton`` and
-``pallas_mosaic_gpu`` hold to the same oracles, bounds and exactness checks:
+caller) and the case's arrays, so that ``xla``, ``pallas_triton``,
+``pallas_mosaic_gpu`` and ``pallas_mosaic_tpu`` hold to the same oracles, bounds and exactness checks:
 
 * :func:`check_against_oracles`: the forward and final state against the float64
   reference, every gradient against jax's float64 autodiff of :func:`oracle` (the
@@ -29,6 +29,7 @@ from maskconv_kernels.ops.causal_conv1d import causal_conv1d, causal_conv1d_refe
 from maskconv_kernels.ops.causal_conv1d.backends import REGISTRY
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_gpu import Config as MosaicConfig
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import Config as TpuConfig
 from maskconv_kernels.ops.causal_conv1d.pallas_triton import Config as TritonConfig
 
 from .numerics import assert_close, random
@@ -54,6 +55,7 @@ SMALL = {
     "pallas_triton": TritonConfig(block_positions=16, block_channels=16, backward_block_positions=16,
                                   backward_block_channels=16, backward_splits=3),
     "pallas_mosaic_gpu": MosaicConfig(block_channels=16, backward_block_channels=16),
+    "pallas_mosaic_tpu": TpuConfig(block_positions=16, backward_block_positions=16),
 }
 IMPLS, MISSING = harness.implementations(CAUSAL_CONV1D, configs=SMALL)
 

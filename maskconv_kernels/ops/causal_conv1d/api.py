@@ -78,12 +78,14 @@ def causal_conv1d(
       dilation: the taps' spacing.
       implementation: ``None`` or one of :data:`IMPLEMENTATIONS`: ``"xla"``
         (``masked_conv``'s depthwise maps, every platform), ``"pallas_triton"`` (fused
-        kernels: bias, SiLU and selects in one pass; NVIDIA GPUs) or
-        ``"pallas_mosaic_gpu"`` (the same through Mosaic GPU; Hopper GPUs, jax >= 0.11);
-        the kernels run on any platform with ``interpret=True``. All are differentiable
-        to any order, forward and reverse.
+        kernels: bias, SiLU and selects in one pass; NVIDIA GPUs),
+        ``"pallas_mosaic_gpu"`` (the same through Mosaic GPU; Hopper GPUs, jax >= 0.11) or
+        ``"pallas_mosaic_tpu"`` (the same through Mosaic TPU; TPUs, float32 and bfloat16
+        activations); the kernels run on any platform with ``interpret=True``. All are
+        differentiable to any order, forward and reverse.
         ``None``: chosen per platform when lowered, the first of :data:`PREFERENCE` that
-        runs the problem there (``"xla"`` today: it was the faster on an H200).
+        runs the problem there (``"pallas_mosaic_tpu"`` on TPUs, ``"xla"`` elsewhere: each
+        was the faster where it was timed).
       interpret: run a kernel implementation in its interpreter (any platform, slowly).
       config: the named implementation's ``Config``, or ``None`` for its heuristic.
 

@@ -44,6 +44,10 @@ class Problem:
         """How far the first output reaches back: ``(W - 1) * dilation``."""
         return (self.width - 1) * self.dilation
 
+    def back(self, t: int) -> int:
+        """How far before an output its tap ``t`` reads: ``(W - 1 - t) * dilation``."""
+        return (self.width - 1 - t) * self.dilation
+
     @property
     def dtypes(self) -> dict[str, np.dtype]:
         named = {"x": self.x_dtype, "weight": self.weight_dtype}

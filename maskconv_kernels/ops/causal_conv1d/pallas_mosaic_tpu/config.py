@@ -1,0 +1,79 @@
+"""``causal_conv1d``'s ``pallas_mosaic_tpu`` config: blocks, frozen and validated, their heuristic and VMEM budget.
+
+Imports no Pallas module: choosing a backend costs nothing where the kernels do not run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...._core.args import is_int
+from ...._core.tiling import round_up
+
+__all__ = ["Config", "KERNELS", "LANES", "VMEM_LIMIT_BYTES", "halo_rows"]
+
+# The kernels' names (in a lowered module, in profiles).
+KERNELS = ("causal_conv1d_tpu_fwd", "causal_conv1d_tpu_bwd")
+LANES = 128  # a vreg's lanes: a block's channels are a multiple of this, or all of them
+SUBLANES = 16  # a bfloat16 vreg's rows (float32: 8): halos and position blocks are multiples
+MiB = 1 << 20
+VMEM_LIMIT_BYTES = 48 * MiB  # what the kernels ask Mosaic for: below v7x's 64 MiB per core
+_MAX_POSITIONS = 8192
+_MAX_CHANNELS = 4096
+
+
+def halo_rows(state_len: int) -> int:
+    """``H``: the rows a block reads before (and the backward after) its own, ``S = (W-1) *
+    dilation`` rounded up to whole 16-row tiles (16 at least: one bfloat16 vreg)."""
+    return max(SUBLANES, round_up(state_len, SUBLANES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Blocks of the two kernels: the forward's and the backward's.
+
+    Attributes:
+      block_positions, backward_block_positions: positions per grid step (a multiple of
+        16 from 16 to 8192; rounded up to whole halos, ``H`` rows). A step also reads
+        the ``H`` positions before its block (the backward: and the ``H`` after), so HBM
+        sees each element ``1 + H / positions`` times (``2H`` in the backward).
+      block_channels, backward_block_channels: channels per grid step (a multiple of 128
+        up to 4096); ``D`` no larger than this is one block of all its channels.
+
+    The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
+    block: the step's DMA overlaps the previous step's arithmetic) and keep the
+    backward's float32 frames (``2H + positions`` rows of inputs and of the
+    pre-activation's cotangent) within a few MiB of VMEM.
+    """
+
+    block_positions: int = 1024
+    block_channels: int = 512
+    backward_block_positions: int = 512
+    backward_block_channels: int = 512
+
+    def __post_init__(self):
+        for field in ("block_positions", "backward_block_positions"):
+            value = getattr(self, field)
+            if not is_int(value) or value % SUBLANES or not SUBLANES <= value <= _MAX_POSITIONS:
+                raise ValueError(f"Config.{field} must be a multiple of {SUBLANES} from {SUBLANES} to "
+                                 f"{_MAX_POSITIONS}, got {value!r}")
+        for field in ("block_channels", "backward_block_channels"):
+            value = getattr(self, field)
+            if not is_int(value) or value % LANES or not LANES <= value <= _MAX_CHANNELS:
+                raise ValueError(f"Config.{field} must be a multiple of {LANES} (whole lane tiles) from {LANES} "
+                                 f"to {_MAX_CHANNELS}, got {value!r}")
+
+    @classmethod
+    def get_default(cls, length: int, dim: int) -> Config:
+        """The defaults (see the class); they apply to every problem (a short sequence is
+        one block)."""
+        del length, dim
+        return cls()
+
+    def blocks(self, backward: bool, length: int, dim: int, state_len: int) -> tuple[int, int]:
+        """``(positions, channels)`` of a grid step: positions a multiple of ``H`` (and no
+        more than the sequence needs), channels all of ``dim`` where it fits one block."""
+        halo = halo_rows(state_len)
+        positions = self.backward_block_positions if backward else self.block_positions
+        positions = min(round_up(positions, halo), round_up(max(length, 1), halo))
+        channels = self.backward_block_channels if backward else self.block_channels
+        return positions, (dim if dim <= channels else channels)

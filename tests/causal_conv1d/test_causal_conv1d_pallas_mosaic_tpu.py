@@ -1,0 +1,114 @@
+"""What is ``causal_conv1d(implementation="pallas_mosaic_tpu")``'s alone: its Mosaic TPU kernels.
+
+The shared suite (test_causal_conv1d.py) runs these kernels against the oracles,
+through exactness, determinism and the derivatives above the first: compiled on a TPU,
+in Pallas' interpreter elsewhere (the slow tier). Here: blocks small enough that test
+sizes take several, with the halos, a last partial block of positions and of channels,
+a halo of two tiles (a long dilation) and bfloat16 activations, against the oracles; the
+TPU lowering from a CPU host (two named Mosaic kernels, no convolution); the refusals,
+the dispatch and the config. Without a TPU the kernels run in Pallas' interpreter.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support.short_conv import BF16, F32, check_against_oracles, ids, inputs
+from support.tiers import tiered
+
+from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
+from maskconv_kernels.ops.causal_conv1d.checks import make_problem
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import KERNELS, Config
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import halo_rows
+
+NAME = "pallas_mosaic_tpu"
+RECORD = backends.REGISTRY.get(NAME)
+INTERPRET = jax.default_backend() != "tpu"  # compiled where they run, interpreted elsewhere
+SMALL = Config(block_positions=16, block_channels=128, backward_block_positions=32, backward_block_channels=128)
+
+# batch, length, dim, width, dilation, bias, activation, x dtype, weight dtype, segments, state, config
+CASES = {
+    # several blocks of positions and of channels, each with a remainder
+    "L100_D300_W4_seg_state": (2, 100, 300, 4, 1, True, "silu", F32, F32, True, True, SMALL),
+    # S = 21: the halo is two tiles (32 rows), a block one halo
+    "L70_D20_W8_d3_state": (2, 70, 20, 8, 3, True, "silu", F32, F32, False, True,
+                            Config(block_positions=32, backward_block_positions=32)),
+    # Mamba's dtypes: bfloat16 activations and state, float32 weights
+    "L50_D136_W4_bf16_seg_state": (2, 50, 136, 4, 1, True, "silu", BF16, F32, True, True, SMALL),
+    # no bias, no activation, no state: the front is zeros, and a block longer than the sequence
+    "L13_D8_W2_plain": (1, 13, 8, 2, 1, False, None, F32, F32, False, False, None),
+    # the defaults' blocks (one block of 1024 and 512 positions), segments without a state
+    "L1100_D160_W4_seg_default": (2, 1100, 160, 4, 1, True, "silu", F32, F32, True, False, None),
+}
+
+
+@pytest.mark.parametrize("name", tiered(sorted(CASES), lambda n: not INTERPRET or n.startswith("L100")))
+def test_blocks_halos_and_remainders_match_the_oracles(name):
+    batch, length, dim, width, dilation, bias, activation, x_dtype, w_dtype, segmented, stateful, config = CASES[name]
+    x, w, b, state, dy = inputs(3, batch, length, dim, width, x_dtype, w_dtype, dilation)
+    conv = lambda x, w, b=None, **kw: causal_conv1d(x, w, b, implementation=NAME, interpret=INTERPRET,  # noqa: E731
+                                                    config=config, **kw)
+    check_against_oracles(conv, x, w, b if bias else None, state if stateful else None, dy,
+                          ids(5, batch, length) if segmented else None, activation=activation, dilation=dilation)
+
+
+def test_the_halo_is_the_state_in_whole_tiles():
+    assert [halo_rows(s) for s in (0, 1, 3, 16, 17, 21)] == [16, 16, 16, 16, 32, 32]
+    # A block is whole halos, and no longer than the sequence needs.
+    assert Config(block_positions=48).blocks(False, 5000, 64, 21) == (64, 64)
+    assert Config().blocks(True, 37, 4128, 3) == (48, 512)
+    assert Config().blocks(False, 2048, 100, 3) == (1024, 100)
+
+
+@pytest.mark.parametrize("field, value", [("block_positions", 24), ("block_positions", 0), ("block_channels", 100),
+                                          ("backward_block_channels", 8192), ("backward_block_positions", 1.5)])
+def test_config_says_what_a_block_must_be(field, value):
+    with pytest.raises(ValueError, match=f"Config.{field} must be a multiple of"):
+        Config(**{field: value})
+
+
+# --------------------------------------------------------------------------- lowering for a TPU
+
+
+def _mamba(dtype, batch=4, length=2048, dim=1536, width=4):
+    shapes = [((batch, length, dim), dtype), ((width, dim), jnp.float32), ((dim,), jnp.float32),
+              ((batch, width - 1, dim), dtype), ((batch, length), jnp.int32)]
+    return [jax.ShapeDtypeStruct(shape, d) for shape, d in shapes]
+
+
+@pytest.mark.parametrize("dtype, implementation", [(BF16, NAME), (F32, NAME), (BF16, None)], ids=str)
+def test_value_and_grad_lowers_for_tpu_to_the_two_named_kernels_and_no_convolution(dtype, implementation):
+    """Named, and as the TPU's default (``implementation=None``), lowered from a CPU host."""
+    def loss(x, w, b, state, seg):
+        y = causal_conv1d(x, w, b, segment_ids=seg, initial_state=state, activation="silu",
+                          implementation=implementation)
+        return y.astype(jnp.float32).sum()
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    text = f.trace(*_mamba(dtype)).lower(lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 2
+    for kernel in KERNELS:
+        assert len(re.findall(f'kernel_name = "{kernel}"', text)) == 1, kernel
+    assert "stablehlo.convolution" not in text
+
+
+# --------------------------------------------------------------------------- refusals and dispatch
+
+
+def test_needs_a_tpu_or_interpret_mode_and_refuses_float16_activations():
+    problem = make_problem(np.zeros((1, 8, 4), np.float32), np.zeros((3, 4), np.float32))[0]
+    assert RECORD.unsupported(problem, "tpu") is None
+    assert RECORD.unsupported(problem, "cpu", interpret=True) is None
+    for platform in ("cpu", "cuda"):
+        assert "lower for TPUs (tpu) only" in RECORD.unsupported(problem, platform)
+    half = make_problem(np.zeros((1, 8, 4), np.float16), np.zeros((3, 4), np.float32))[0]
+    assert "TPUs have no float16 arithmetic" in RECORD.unsupported(half, "tpu")
+    # implementation=None on a TPU: the kernels where they run, xla for the rest
+    assert backends.REGISTRY.preference["tpu"] == (NAME, "xla")
+    assert RECORD.unsupported(problem, "tpu") is None and RECORD.unsupported(half, "tpu") is not None
+    # float16 weights with bfloat16 activations are converted, as float32 ones are
+    mixed = make_problem(np.zeros((1, 8, 4), jnp.bfloat16), np.zeros((3, 4), np.float16))[0]
+    assert RECORD.unsupported(mixed, "tpu") is None
