@@ -17,11 +17,13 @@
 #   5. causal_conv against jnp.pad + lax.conv at video VAE and audio codec layers,
 #      full pass and one streamed chunk, with each executable's memory
 #      (python -m maskconv_kernels.bench causal_conv --preset tpu)          -> causal_conv.jsonl
-#   6. the suites named by PYTEST_PATHS compiled on the TPU, in one process (one
+#   6. causal_conv1d against lax.conv and XLA's shift-and-add at Mamba-2 layers, with
+#      the HBM roofline (python -m maskconv_kernels.bench sequence --preset tpu) -> sequence.jsonl
+#   7. the suites named by PYTEST_PATHS compiled on the TPU, in one process (one
 #      program at a time may hold the chip), at the default matmul precision -> pytest.txt
-#   7. the benchmarks' tables, printed last
+#   8. the benchmarks' tables, printed last
 # Everything goes to $OUT (default benchmarks/results/tpu-check), with the full log in
-# tpu_check.log: 8 files at most, what the device machine returns.
+# tpu_check.log: 7 files, of the 8 the device machine returns.
 #
 # The device machine's copy of the tree has no .git: pass the commit as MASKCONV_COMMIT.
 # Test dependencies come from the machine's own package index (PIP_INDEX, default
@@ -41,6 +43,9 @@ BENCH_ARGS=${BENCH_ARGS:---shapes C256_32x32 --xla-strategies conv matmul}
 CAUSAL_CONV_TIMEOUT=${CAUSAL_CONV_TIMEOUT:-120}
 CAUSAL_CONV_BUDGET=${CAUSAL_CONV_BUDGET:-80}  # cells started after this many seconds are skipped
 CAUSAL_CONV_ARGS=${CAUSAL_CONV_ARGS:---dtypes bfloat16}
+SEQUENCE_TIMEOUT=${SEQUENCE_TIMEOUT:-120}
+SEQUENCE_BUDGET=${SEQUENCE_BUDGET:-70}  # cells started after this many seconds are skipped
+SEQUENCE_ARGS=${SEQUENCE_ARGS:---dtypes bfloat16 --modes fwd+bwd fwd --shapes _W4}
 PYTEST_PATHS=${PYTEST_PATHS:-}      # e.g. "tests/masked_conv/test_pallas_mosaic_tpu.py"
 PYTEST_K=${PYTEST_K:-}
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
@@ -95,8 +100,15 @@ timeout "$CAUSAL_CONV_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench causal_conv -
   | tr '\r' '\n' | grep -v '^ *$' | tail -20
 STATUS[causal_conv]=${PIPESTATUS[0]}
 
+stage "6. causal_conv1d against lax.conv and the shift-and-add (budget ${SEQUENCE_BUDGET}s, limit ${SEQUENCE_TIMEOUT}s)"
+# shellcheck disable=SC2086
+timeout "$SEQUENCE_TIMEOUT" "$PYTHON" -m maskconv_kernels.bench sequence --preset tpu \
+  --time-budget "$SEQUENCE_BUDGET" --no-chart --out "$OUT" --name sequence $SEQUENCE_ARGS 2>&1 >/dev/null \
+  | tr '\r' '\n' | grep -v '^ *$' | tail -20
+STATUS[sequence]=${PIPESTATUS[0]}
+
 if [ -n "$PYTEST_PATHS" ]; then
-  stage "6. the suites on the TPU, compiled, one process (limit ${PYTEST_TIMEOUT}s)"
+  stage "7. the suites on the TPU, compiled, one process (limit ${PYTEST_TIMEOUT}s)"
   PIP_CONFIG_FILE=/dev/null timeout 120 "$PYTHON" -m pip install -q --isolated --only-binary=:all: \
     --index-url "$PIP_INDEX" --target /tmp/site flax optax pytest-timeout >/dev/null 2>&1
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
@@ -106,9 +118,10 @@ if [ -n "$PYTEST_PATHS" ]; then
   STATUS[pytest]=${PIPESTATUS[0]}
 fi
 
-stage "7. summary"
+stage "8. summary"
 "$PYTHON" -m maskconv_kernels.bench render "$OUT/$TAG.jsonl" 2>/dev/null
 "$PYTHON" -m maskconv_kernels.bench render "$OUT/causal_conv.jsonl" 2>/dev/null
-rm -f "$OUT/$TAG.md" "$OUT/causal_conv.md"  # render writes both again from the rows; 8 files come back at most
+"$PYTHON" -m maskconv_kernels.bench render "$OUT/sequence.jsonl" 2>/dev/null
+rm -f "$OUT/$TAG.md" "$OUT/causal_conv.md" "$OUT/sequence.md"  # render writes both again from the rows; 8 files come back at most
 for key in "${!STATUS[@]}"; do echo "status $key: ${STATUS[$key]}"; done
 echo "total: $(( $(date +%s) - START ))s"

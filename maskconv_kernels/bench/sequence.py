@@ -8,8 +8,9 @@ each shape, dtype and mode (``fwd``, ``bwd``, ``fwd+bwd``, ``decode``) it times,
 process with samples interleaved (:mod:`.timing`):
 
 * ``causal_conv1d``: this library, ``implementation=None`` (what the platform gets);
-* ``pallas_triton``: ``causal_conv1d(implementation="pallas_triton")``, the fused Pallas
-  kernels (on GPUs; interpreted in the quick preset, to test the benchmark itself);
+* the platform's kernels by name: ``pallas_triton`` (``causal_conv1d(implementation=
+  "pallas_triton")``, fused Pallas kernels) on GPUs, interpreted in the quick preset to
+  test the benchmark itself; ``pallas_mosaic_tpu`` (its Mosaic TPU kernels) on TPUs;
 * ``lax.conv``: ``lax.conv_general_dilated(..., feature_group_count=D)``, the usual JAX
   depthwise convolution (cuDNN on GPUs), in x's dtype with float32 accumulation;
 * ``shift-and-add``: a hand-written ``jnp`` sum over taps of shifted inputs times
@@ -22,8 +23,9 @@ the output and the new state. All compute ``silu(conv(x) + bias)`` rounded once 
 dtype; the first cell's outputs are compared with the shift-and-add's. Beside each time:
 the memory roofline, the bytes a fused kernel must move (``fwd``: read x, write y;
 ``bwd``: read x and dy, write dx; the weights once; ``decode``: read the state and the
-token, write the output and the state) over the memory bandwidth (HBM, 4.8 TB/s on an
-H200; on a CPU, a large array add measured in the same run). Writes ``PREFIX.jsonl``
+token, write the output and the state) over the memory bandwidth: the HBM's specification
+(4.8 TB/s on an H200; on a TPU, jax's own table, 819 GB/s on a v5e, with the copy rate a
+large array add reaches in the same run beside it) or, on a CPU, that measured rate. Writes ``PREFIX.jsonl``
 (rows with the machine's metadata) as it goes, then ``PREFIX.md`` and ``PREFIX.png``;
 prints the tables and the goals last.
 """
@@ -49,6 +51,8 @@ from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_gr
 
 MODES = ("fwd", "bwd", "fwd+bwd", "decode")
 OURS, FUSED, LAX, SHIFT = "causal_conv1d", "pallas_triton", "lax.conv", "shift-and-add"
+# The kernels timed by name beside implementation=None, per platform.
+KERNELS = {"gpu": FUSED, "tpu": "pallas_mosaic_tpu"}
 H200_HBM_BYTES_PER_S = 4.8e12
 
 
@@ -76,6 +80,11 @@ PRESETS = {
     # a GDN layer at 4k, D = 4096 at 8k; the other widths.
     "gpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=15, min_sample_s=0.002, warmup=2,
                    max_input_sets=4, peak_n=0),
+            (_mamba(4, 2048, 1536, 4), _mamba(4, 16384, 4128, 4), _mamba(8, 4096, 2048, 4), _mamba(4, 8192, 4096, 4),
+             _mamba(4, 2048, 1536, 2), _mamba(4, 2048, 1536, 3), _mamba(4, 2048, 1536, 8))),
+    # The GPU preset's shapes on a TPU v5e, bfloat16 first.
+    "tpu": (Preset(True, ("bfloat16", "float32"), MODES, samples=10, min_sample_s=0.002, warmup=2,
+                   max_input_sets=3, peak_n=0),
             (_mamba(4, 2048, 1536, 4), _mamba(4, 16384, 4128, 4), _mamba(8, 4096, 2048, 4), _mamba(4, 8192, 4096, 4),
              _mamba(4, 2048, 1536, 2), _mamba(4, 2048, 1536, 3), _mamba(4, 2048, 1536, 8))),
     # A smoke test (CI, tests): one small shape, the fused kernels interpreted off a GPU.
@@ -128,14 +137,15 @@ STEPS = {OURS: _ours_step, LAX: _lax_conv_step, SHIFT: _shift_and_add_step}
 
 
 def formulations(platform_name: str, preset_name: str) -> dict:
-    """Name -> ``f(x, w, b)``. The fused kernels run compiled on GPUs and interpreted only in the quick
-    preset (anywhere else they would take hours)."""
+    """Name -> ``f(x, w, b)``. The platform's kernels (:data:`KERNELS`) run compiled there; the
+    fused Triton kernels run interpreted only in the quick preset (anywhere else they would
+    take hours)."""
     found = {OURS: lambda x, w, b: causal_conv1d(x, w, b, activation="silu")}
-    if platform_name == "gpu" or preset_name == "quick":
-        interpret = platform_name != "gpu"
-        found[FUSED] = lambda x, w, b: causal_conv1d(
-            x, w, b, activation="silu", implementation="pallas_triton", interpret=interpret
-        )
+    kernel = KERNELS.get(platform_name, FUSED if preset_name == "quick" else None)
+    if kernel is not None:
+        interpret = platform_name not in KERNELS
+        found[kernel] = lambda x, w, b: causal_conv1d(x, w, b, activation="silu", implementation=kernel,
+                                                      interpret=interpret)
     return {**found, LAX: _lax_conv, SHIFT: _shift_and_add}
 
 
@@ -166,21 +176,35 @@ def ideal_bytes(shape: SeqShape, dtype, mode: str) -> int:
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd, "decode": decode}[mode]
 
 
-def measure_bandwidth(preset: Preset) -> float:
-    """Bytes per second of a large elementwise add (two reads, one write), in this process."""
-    n = 64 << 20 >> 2  # 64 MiB of float32 per operand: well past any cache
+def measure_bandwidth(preset: Preset, mib: int = 64) -> float:
+    """Bytes per second of a large elementwise add (two reads, one write) of ``mib`` MiB of
+    float32 per operand, in this process."""
+    n = mib << 20 >> 2
     a, b = jnp.ones((n,), jnp.float32), jnp.full((n,), 2.0, jnp.float32)
     add = jax.jit(lambda a, b, _: a + b).lower(a, b, None).compile()
     times = time_interleaved({"add": add}, [(a, b, None)], dataclasses.replace(preset, samples=5))
     return 3 * 4 * n / statistics.median(times["add"])
 
 
-def roofline_bandwidth(platform_name: str, preset: Preset) -> float:
-    """Bytes per second for the rooflines: the H200's HBM on a GPU, measured elsewhere; said on stderr."""
-    gpu = platform_name == "gpu"
-    bandwidth = H200_HBM_BYTES_PER_S if gpu else measure_bandwidth(preset)
-    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({'H200 HBM' if gpu else 'measured'})", file=sys.stderr)
-    return bandwidth
+def roofline_bandwidth(platform_name: str, preset: Preset) -> tuple[float, float | None]:
+    """``(bytes per second for the rooflines, the copy rate measured here or None)``: the
+    H200's HBM on a GPU; the chip's specified HBM bandwidth on a TPU (jax's table), beside
+    an add of 512 MiB operands (a 64 MiB one reached half the v5e's); measured elsewhere.
+    Said on stderr."""
+    if platform_name == "gpu":
+        bandwidth, measured, what = H200_HBM_BYTES_PER_S, None, "H200 HBM"
+    elif platform_name == "tpu":
+        from .._core.hardware import tpu_info
+
+        info = tpu_info()
+        bandwidth = float(info.mem_bw_bytes_per_second * info.num_cores)
+        measured = measure_bandwidth(preset, mib=512)
+        what = f"the chip's specified HBM bandwidth; a 512 MiB add moved {measured / 1e9:.1f} GB/s here"
+    else:
+        bandwidth = measured = measure_bandwidth(preset)
+        what = "measured"
+    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({what})", file=sys.stderr)
+    return bandwidth, measured
 
 
 def _inputs(shape: SeqShape, dtype, n_sets: int, mode: str = "fwd"):
@@ -280,7 +304,8 @@ def targets(rows: list[dict]) -> str:
     lines = [f"| shape | dtype | implementation | time / {SHIFT}'s (<= 1.25) | {LAX}'s time / this (>= 8) |",
              "|---|---|---|---:|---:|"]
     for r in rows:
-        if r["implementation"] in (OURS, FUSED) and r["mode"] == "fwd+bwd" and f"vs_{SHIFT}" in r and f"vs_{LAX}" in r:
+        timed = f"vs_{SHIFT}" in r and f"vs_{LAX}" in r
+        if r["implementation"] not in (LAX, SHIFT) and r["mode"] == "fwd+bwd" and timed:
             over_shift, over_lax = 1 / r[f"vs_{SHIFT}"], r[f"vs_{LAX}"]
             mark = lambda ok: "" if ok else " **missed**"  # noqa: E731
             lines.append(f"| {r['shape']} | {r['dtype']} | {r['implementation']} | {over_shift:.2f}x"
@@ -310,7 +335,7 @@ def write_outputs(rows: list[dict], out: Path | None, chart_too: bool) -> None:
 
 
 def add_arguments(parser) -> None:
-    add_grid_arguments(parser, PRESETS, "cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu: "
+    add_grid_arguments(parser, PRESETS, "cpu: a Mamba-2 layer in widths 2, 3, 4 and 8, float32 and bfloat16; gpu, tpu: "
                        "Mamba-2 and gated-DeltaNet layers at 2k-8k tokens and causal-conv1d's B=4, L=16384, D=4128; "
                        "quick: one tiny shape, the fused kernels interpreted off a GPU",
                        "a substring of shape names (B<batch>_L<length>_D<dim>_W<width>)", MODES)
@@ -324,7 +349,8 @@ def run(args) -> int:
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
-    bandwidth = roofline_bandwidth(platform_name, preset)
+    bandwidth, measured = roofline_bandwidth(platform_name, preset)
+    meta = {**meta, "measured_bandwidth_bytes_per_s": measured}
     found = formulations(platform_name, name)
     rows = run_grid(cells(shapes, preset),
                     lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0),

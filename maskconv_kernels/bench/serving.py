@@ -83,6 +83,9 @@ PRESETS = {
             (_shape(64, 2048), _shape(256, 2048))),
     "gpu": (Preset(True, ("bfloat16",), KINDS, samples=15, min_sample_s=0.002, warmup=2, max_input_sets=1, peak_n=0),
             (_shape(64, 2048), _shape(256, 2048), _shape(64, 8192), _shape(256, 8192))),
+    # The GPU preset's shapes on a TPU v5e.
+    "tpu": (Preset(True, ("bfloat16",), KINDS, samples=10, min_sample_s=0.002, warmup=2, max_input_sets=1, peak_n=0),
+            (_shape(64, 2048), _shape(256, 2048), _shape(64, 8192), _shape(256, 8192))),
     # A smoke test (CI, tests): tiny, float32.
     "quick": (Preset(False, ("float32",), KINDS, samples=2, min_sample_s=0.0, warmup=1, max_input_sets=1, peak_n=0),
               (_shape(8, 16, chunk=6, block=4),)),
@@ -306,7 +309,8 @@ def run(args) -> int:
         return 2
     out = args.prefix
     meta = metadata(name, args.command)
-    bandwidth = roofline_bandwidth(platform_name, preset)
+    bandwidth, measured = roofline_bandwidth(platform_name, preset)
+    meta = {**meta, "measured_bandwidth_bytes_per_s": measured}
     grid = [(s, d, k) for s in shapes for d in preset.dtypes for k in preset.modes]
     rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth), out, args.time_budget,
                     f"{meta['device']} (preset {name})")

@@ -1,0 +1,76 @@
+"""Block sizes of causal_conv1d's Mosaic TPU kernels, timed on the attached TPU.
+
+    python -m benchmarks.causal_conv1d_tpu_blocks --out DIR
+
+For causal-conv1d's published shape (B=4, L=16384, D=4128, W=4, bfloat16 activations,
+float32 weights, bias and SiLU) and a Mamba-2 layer at 2k tokens, times the forward and
+the forward+backward under each candidate ``Config`` (one process, samples interleaved)
+and gives each as a fraction of the HBM roofline (:func:`maskconv_kernels.bench.sequence.ideal_bytes`
+over the chip's specified bandwidth). Writes ``DIR/causal_conv1d_tpu_blocks.jsonl`` with
+the machine's metadata, and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from maskconv_kernels.bench.machine import metadata
+from maskconv_kernels.bench.sequence import SeqShape, _inputs, ideal_bytes, mode_fn, roofline_bandwidth
+from maskconv_kernels.bench.timing import Preset, time_interleaved
+from maskconv_kernels.ops.causal_conv1d import causal_conv1d
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import Config
+
+SHAPES = (SeqShape("B4_L16384_D4128_W4", 4, 16384, 4128, 4), SeqShape("B4_L2048_D1536_W4", 4, 2048, 1536, 4))
+CANDIDATES = {
+    "default": Config(),
+    "p512_c512": Config(block_positions=512, block_channels=512),
+    "p2048_c512": Config(block_positions=2048, block_channels=512),
+    "p1024_c1024": Config(block_positions=1024, block_channels=1024),
+    "bwd_p256_c512": Config(backward_block_positions=256, backward_block_channels=512),
+    "bwd_p1024_c512": Config(backward_block_positions=1024, backward_block_channels=512),
+    "bwd_p512_c1024": Config(backward_block_positions=512, backward_block_channels=1024),
+    "bwd_p512_c256": Config(backward_block_positions=512, backward_block_channels=256),
+}
+PRESET = Preset(True, ("bfloat16",), ("fwd", "fwd+bwd"), samples=7, min_sample_s=0.002, warmup=2, max_input_sets=2,
+                peak_n=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--modes", nargs="+", default=list(PRESET.modes))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = metadata("tpu_blocks", "python -m benchmarks.causal_conv1d_tpu_blocks")
+    bandwidth, measured = roofline_bandwidth(jax.default_backend(), PRESET)
+    rows = []
+    with open(args.out / "causal_conv1d_tpu_blocks.jsonl", "w") as f:
+        for shape in SHAPES:
+            for mode in args.modes:
+                argsets = _inputs(shape, jnp.bfloat16, PRESET.max_input_sets, mode)
+                compiled = {}
+                for name, config in CANDIDATES.items():
+                    conv = lambda x, w, b, c=config: causal_conv1d(x, w, b, activation="silu",  # noqa: E731
+                                                                   implementation="pallas_mosaic_tpu", config=c)
+                    compiled[name] = jax.jit(mode_fn(conv, mode)).lower(*argsets[0]).compile()
+                times = time_interleaved(compiled, argsets, PRESET)
+                roofline = ideal_bytes(shape, jnp.bfloat16, mode) / bandwidth
+                for name, ts in times.items():
+                    row = dict(meta, shape=shape.name, mode=mode, config=name,
+                               blocks=dataclasses.asdict(CANDIDATES[name]), median_s=statistics.median(ts),
+                               frac_roofline=roofline / statistics.median(ts), bandwidth_bytes_per_s=bandwidth,
+                               measured_bandwidth_bytes_per_s=measured)
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    print(f"{shape.name} {mode:8s} {name:16s} {1e3 * row['median_s']:8.3f} ms "
+                          f"{100 * row['frac_roofline']:5.1f}% of {bandwidth / 1e9:.0f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
