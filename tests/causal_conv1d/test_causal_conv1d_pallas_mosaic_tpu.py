@@ -21,7 +21,7 @@ from support.tiers import tiered
 
 from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
-from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import KERNELS, Config
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import KERNELS, PREFERRED_FROM, Config
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import halo_rows
 
 NAME = "pallas_mosaic_tpu"
@@ -106,9 +106,28 @@ def test_needs_a_tpu_or_interpret_mode_and_refuses_float16_activations():
         assert "lower for TPUs (tpu) only" in RECORD.unsupported(problem, platform)
     half = make_problem(np.zeros((1, 8, 4), np.float16), np.zeros((3, 4), np.float32))[0]
     assert "TPUs have no float16 arithmetic" in RECORD.unsupported(half, "tpu")
-    # implementation=None on a TPU: the kernels where they run, xla for the rest
+    # implementation=None on a TPU: the kernels where they run and a sequence is one of their
+    # blocks long at least; xla for the rest (decode steps: one position)
     assert backends.REGISTRY.preference["tpu"] == (NAME, "xla")
-    assert RECORD.unsupported(problem, "tpu") is None and RECORD.unsupported(half, "tpu") is not None
+    long = make_problem(np.zeros((1, PREFERRED_FROM, 4), jnp.bfloat16), np.zeros((3, 4), np.float32))[0]
+    assert backends.REGISTRY.choose(long, "tpu").name == NAME
+    assert backends.REGISTRY.choose(problem, "tpu").name == "xla"
+    assert "implementation=None takes the kernels from" in RECORD.not_preferred(problem, "tpu")
+    assert backends.REGISTRY.choose(make_problem(np.zeros((1, PREFERRED_FROM, 4), np.float16),
+                                                 np.zeros((3, 4), np.float32))[0], "tpu").name == "xla"
+    assert backends.REGISTRY.choose(long, "cpu").name == "xla"
     # float16 weights with bfloat16 activations are converted, as float32 ones are
     mixed = make_problem(np.zeros((1, 8, 4), jnp.bfloat16), np.zeros((3, 4), np.float16))[0]
     assert RECORD.unsupported(mixed, "tpu") is None
+
+
+def test_a_decode_step_lowered_for_tpu_keeps_the_xla_path():
+    """``causal_conv1d_update`` (one token a row) with ``implementation=None``, lowered for a TPU:
+    shorter than a block, so no Mosaic kernel (the decode step timed there is xla's)."""
+    from maskconv_kernels import causal_conv1d_update
+
+    x, pool = jax.ShapeDtypeStruct((8, 1536), jnp.bfloat16), jax.ShapeDtypeStruct((8, 3, 1536), jnp.bfloat16)
+    w, b = jax.ShapeDtypeStruct((4, 1536), jnp.float32), jax.ShapeDtypeStruct((1536,), jnp.float32)
+    step = jax.jit(lambda x, pool, w, b: causal_conv1d_update(x, pool, w, b, activation="silu"), donate_argnums=1)
+    text = step.trace(x, pool, w, b).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in text

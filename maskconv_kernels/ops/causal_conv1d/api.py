@@ -84,8 +84,8 @@ def causal_conv1d(
         activations); the kernels run on any platform with ``interpret=True``. All are
         differentiable to any order, forward and reverse.
         ``None``: chosen per platform when lowered, the first of :data:`PREFERENCE` that
-        runs the problem there (``"pallas_mosaic_tpu"`` on TPUs, ``"xla"`` elsewhere: each
-        was the faster where it was timed).
+        runs the problem there (``"pallas_mosaic_tpu"`` on TPUs for sequences of 1,024
+        positions or more, ``"xla"`` elsewhere: each was the faster where it was timed).
       interpret: run a kernel implementation in its interpreter (any platform, slowly).
       config: the named implementation's ``Config``, or ``None`` for its heuristic.
 

@@ -10,9 +10,10 @@
   Mosaic for TPUs (or any platform with ``interpret=True``, traced inline).
 
 ``implementation=None`` takes, when lowered for a platform, the first of that platform's
-:data:`PREFERENCE` that runs the problem there: ``"pallas_mosaic_tpu"`` on TPUs, where
-its forward+backward beat XLA's shift-and-add 2.5x to 4.3x on a TPU v5e at Mamba-2
-shapes (docs/performance.md, TPU v5e); ``"xla"`` elsewhere, because on an H200 XLA's
+:data:`PREFERENCE` that runs the problem there: ``"pallas_mosaic_tpu"`` on TPUs for
+sequences of 1,024 positions or more (its ``not_preferred``), where its forward+backward
+beat XLA's shift-and-add 2.5x to 4.3x on a TPU v5e at Mamba-2 shapes
+(docs/performance.md, TPU v5e); ``"xla"`` elsewhere, because on an H200 XLA's
 fusion of the shift-and-add beat the fused kernels by 1.3x to 2x
 (docs/performance.md#h200). An
 implementation module supplies ``Config``, ``unsupported(problem, platform, interpret)``,

@@ -10,7 +10,9 @@ state and its gradient, any width and dilation, bias, SiLU, float32 and bfloat16
 (float32 arithmetic, weights of any float dtype). float16 is refused: TPUs have no
 float16 arithmetic (``implementation="xla"`` converts it). The op's primitives
 (:class:`~maskconv_kernels._core.fused.FusedOp`) lower :func:`forward` and
-:func:`backward`, and give them derivatives of every order.
+:func:`backward`, and give them derivatives of every order. ``implementation=None`` on a
+TPU takes them for sequences of at least :data:`PREFERRED_FROM` positions
+(:func:`not_preferred`).
 """
 from __future__ import annotations
 
@@ -20,9 +22,14 @@ import numpy as np
 from ..checks import Problem
 from .config import KERNELS, Config, halo_rows
 
-__all__ = ["Config", "KERNELS", "DTYPES", "unsupported", "forward", "backward"]
+__all__ = ["Config", "KERNELS", "DTYPES", "PREFERRED_FROM", "unsupported", "not_preferred", "forward", "backward"]
 
 DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+# implementation=None takes the kernels for sequences of at least one forward block: they
+# were timed at 2k-16k positions (docs/performance.md, TPU v5e). Shorter calls (decode
+# steps, the serving step's small chunks) keep xla's path, whose TPU decode step is the
+# one that was timed.
+PREFERRED_FROM = Config().block_positions
 _WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
@@ -35,6 +42,15 @@ def unsupported(problem: Problem, platform: str | None, interpret: bool = False)
     for name, dtype in problem.dtypes.items():
         if np.dtype(dtype) not in _WEIGHT_DTYPES:
             return f"{name} in {dtype}: its kernels take float32, bfloat16 and float16 (implementation='xla' takes it)"
+    return None
+
+
+def not_preferred(problem: Problem, platform: str) -> str | None:
+    """Why ``implementation=None`` passes over the kernels for ``problem`` on ``platform``:
+    sequences shorter than :data:`PREFERRED_FROM` positions."""
+    if problem.length < PREFERRED_FROM:
+        return (f"{problem.length} positions: implementation=None takes the kernels from {PREFERRED_FROM} on (the "
+                "lengths they were timed at); name them to run them on shorter sequences")
     return None
 
 
