@@ -48,6 +48,7 @@ SEQUENCE_BUDGET=${SEQUENCE_BUDGET:-70}  # cells started after this many seconds 
 SEQUENCE_ARGS=${SEQUENCE_ARGS:---dtypes bfloat16 --modes fwd+bwd fwd --shapes _W4}
 PYTEST_PATHS=${PYTEST_PATHS:-}      # e.g. "tests/masked_conv/test_pallas_mosaic_tpu.py"
 PYTEST_K=${PYTEST_K:-}
+PYTEST_SHARD=${PYTEST_SHARD:-}      # k/n: the tests whose node id hashes to k modulo n (tests/conftest.py)
 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
 PIP_INDEX=${PIP_INDEX:-file:///opt/pypi/simple}
 mkdir -p "$OUT"
@@ -112,9 +113,11 @@ if [ -n "$PYTEST_PATHS" ]; then
   PIP_CONFIG_FILE=/dev/null timeout 120 "$PYTHON" -m pip install -q --isolated --only-binary=:all: \
     --index-url "$PIP_INDEX" --target /tmp/site flax optax pytest-timeout >/dev/null 2>&1
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  # -v: each test's name and outcome as it ends, so a run cut by the limit still names them.
   # shellcheck disable=SC2086
-  timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -p no:xdist -p no:cacheprovider -o addopts="" -m "not slow" -q \
-    ${PYTEST_K:+-k "$PYTEST_K"} $PYTEST_PATHS 2>&1 | tee "$OUT/pytest.txt" | tail -30
+  MASKCONV_SHARD="$PYTEST_SHARD" timeout "$PYTEST_TIMEOUT" "$PYTHON" -m pytest -p no:xdist -p no:cacheprovider \
+    -o addopts="" -m "not slow" -v -rf --tb=short ${PYTEST_K:+-k "$PYTEST_K"} $PYTEST_PATHS 2>&1 \
+    | tee "$OUT/pytest.txt" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -60
   STATUS[pytest]=${PIPESTATUS[0]}
 fi
 

@@ -50,18 +50,23 @@ def causal(request):
 
 def pytest_collection_modifyitems(config, items):
     """``MASKCONV_SLOW_SHARD=k/n``: of the slow tier, only the tests whose node id hashes to
-    ``k`` modulo ``n`` (crc32: the same split in every process and every xdist worker).
+    ``k`` modulo ``n`` (crc32: the same split in every process and every xdist worker);
+    ``MASKCONV_SHARD=k/n``: the same for every test selected.
 
     .ci/run cannot run the whole slow tier on two cores within its budget; it runs one
     quarter, chosen by the commit count, so consecutive commits cover all of it and a
     failure reproduces with the shard it prints. ``python -m pytest -m slow`` runs it all.
+    A TPU machine runs the fast tier in one process, in parts under its 10 minutes a
+    command: ``MASKCONV_SHARD`` splits it (``benchmarks/tpu_check.sh``, ``PYTEST_SHARD``).
     """
-    shard = os.environ.get("MASKCONV_SLOW_SHARD")
-    if not shard:
-        return
-    k, n = (int(part) for part in shard.split("/"))
-    dropped = [item for item in items if item.get_closest_marker("slow") and zlib.crc32(item.nodeid.encode()) % n != k]
-    if dropped:
-        ids = {id(item) for item in dropped}
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if id(item) not in ids]
+    for variable, slow_only in (("MASKCONV_SLOW_SHARD", True), ("MASKCONV_SHARD", False)):
+        shard = os.environ.get(variable)
+        if not shard:
+            continue
+        k, n = (int(part) for part in shard.split("/"))
+        dropped = [item for item in items if (item.get_closest_marker("slow") or not slow_only)
+                   and zlib.crc32(item.nodeid.encode()) % n != k]
+        if dropped:
+            ids = {id(item) for item in dropped}
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if id(item) not in ids]
