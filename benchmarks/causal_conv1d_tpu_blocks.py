@@ -3,17 +3,21 @@
     python -m benchmarks.causal_conv1d_tpu_blocks --out DIR
 
 For causal-conv1d's published shape (B=4, L=16384, D=4128, W=4, bfloat16 activations,
-float32 weights, bias and SiLU) and a Mamba-2 layer at 2k tokens, times the forward and
-the forward+backward under each candidate ``Config`` (one process, samples interleaved)
-and gives each as a fraction of the HBM roofline (:func:`maskconv_kernels.bench.sequence.ideal_bytes`
-over the chip's specified bandwidth). Writes ``DIR/causal_conv1d_tpu_blocks.jsonl`` with
-the machine's metadata, and prints a table.
+float32 weights, bias and SiLU), the same with D=4096 (a whole number of 128-lane tiles:
+the first ran at a lower rate per element than the other shapes) and a Mamba-2 layer at
+2k tokens, times the forward and the forward+backward under each candidate ``Config``
+(one process, samples interleaved) and gives each as a fraction of the HBM roofline
+(:func:`maskconv_kernels.bench.sequence.ideal_bytes` over the chip's specified
+bandwidth), with the compiled program's copy instructions and temporary bytes (a layout
+copy of an operand around the kernels would show there). Writes
+``DIR/causal_conv1d_tpu_blocks.jsonl`` with the machine's metadata, and prints a table.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -26,7 +30,8 @@ from maskconv_kernels.bench.timing import Preset, time_interleaved
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import Config
 
-SHAPES = (SeqShape("B4_L16384_D4128_W4", 4, 16384, 4128, 4), SeqShape("B4_L2048_D1536_W4", 4, 2048, 1536, 4))
+SHAPES = (SeqShape("B4_L16384_D4128_W4", 4, 16384, 4128, 4), SeqShape("B4_L16384_D4096_W4", 4, 16384, 4096, 4),
+          SeqShape("B4_L2048_D1536_W4", 4, 2048, 1536, 4))
 CANDIDATES = {
     "default": Config(),
     "p512_c512": Config(block_positions=512, block_channels=512),
@@ -39,6 +44,11 @@ CANDIDATES = {
 }
 PRESET = Preset(True, ("bfloat16",), ("fwd", "fwd+bwd"), samples=7, min_sample_s=0.002, warmup=2, max_input_sets=2,
                 peak_n=0)
+
+
+def _copies(compiled) -> int:
+    """The copy instructions of a compiled program's HLO (layout changes, among others)."""
+    return len(re.findall(r"= \S+ copy(?:-start)?\(", compiled.as_text()))
 
 
 def main() -> None:
@@ -62,14 +72,17 @@ def main() -> None:
                 times = time_interleaved(compiled, argsets, PRESET)
                 roofline = ideal_bytes(shape, jnp.bfloat16, mode) / bandwidth
                 for name, ts in times.items():
+                    stats = compiled[name].memory_analysis()
                     row = dict(meta, shape=shape.name, mode=mode, config=name,
                                blocks=dataclasses.asdict(CANDIDATES[name]), median_s=statistics.median(ts),
                                frac_roofline=roofline / statistics.median(ts), bandwidth_bytes_per_s=bandwidth,
-                               measured_bandwidth_bytes_per_s=measured)
+                               measured_bandwidth_bytes_per_s=measured, hlo_copies=_copies(compiled[name]),
+                               temp_bytes=None if stats is None else stats.temp_size_in_bytes)
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
                     print(f"{shape.name} {mode:8s} {name:16s} {1e3 * row['median_s']:8.3f} ms "
-                          f"{100 * row['frac_roofline']:5.1f}% of {bandwidth / 1e9:.0f} GB/s", flush=True)
+                          f"{100 * row['frac_roofline']:5.1f}% of {bandwidth / 1e9:.0f} GB/s, {row['hlo_copies']} "
+                          f"copies, {(row['temp_bytes'] or 0) / 2**20:.0f} MiB temporaries", flush=True)
 
 
 if __name__ == "__main__":
