@@ -25,11 +25,12 @@ in their last ``S`` (zeros without one). The backward also reads the ``H`` rows 
 its block, where its taps' outputs lie. The rows are copied into a float32 VMEM frame
 and every tap is a load from it at a static offset.
 
-**Exactness.** A tap crosses no document: with segment ids, tap ``t`` of output ``p``
-is kept only where ``ids[p - back(t)] == ids[p]`` (a ``where`` select, never a product
-with a 0/1 mask), so a NaN in one document changes no other's output and the gradient
-across documents is exactly 0.0; padding outputs (negative ids) are zeros, bias and
-activation included, and receive no gradient. Rows past the sequence (a last, partial
+**Exactness.** A tap crosses no document: with segment ids, the input tap ``t`` of
+output ``p`` reads is selected to zero unless ``ids[p - back(t)] == ids[p]`` (a ``where``
+on the input, never a product with a 0/1 mask; in the backward, the cotangent it
+multiplies), so a NaN in one document changes no other's output and the gradient across
+documents is exactly 0.0; padding outputs (negative ids) are zeros, bias and activation
+included, and receive no gradient. Rows past the sequence (a last, partial
 block; the backward's rows after the last block) hold whatever the DMA brought: the
 cotangent is selected to zero there, and so are the inputs the weight gradient reads.
 The state rows belong to the row's first document (their ids are its id; without a
