@@ -9,13 +9,16 @@ the first ran at a lower rate per element than the other shapes) and a Mamba-2 l
 (one process, samples interleaved) and gives each as a fraction of the HBM roofline
 (:func:`maskconv_kernels.bench.sequence.ideal_bytes` over the chip's specified
 bandwidth), with the compiled program's copy instructions and temporary bytes (a layout
-copy of an operand around the kernels would show there). Writes
+copy of an operand around the kernels would show there). ``default_packed`` is the
+default config on packed documents (four a row, as segment ids), which the sequence
+benchmark does not time. Writes
 ``DIR/causal_conv1d_tpu_blocks.jsonl`` with the machine's metadata, and prints a table.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import statistics
@@ -41,9 +44,21 @@ CANDIDATES = {
     "bwd_p1024_c512": Config(backward_block_positions=1024, backward_block_channels=512),
     "bwd_p512_c1024": Config(backward_block_positions=512, backward_block_channels=1024),
     "bwd_p512_c256": Config(backward_block_positions=512, backward_block_channels=256),
+    "default_packed": Config(),
 }
+PACKED = ("default_packed",)  # run with segment ids: four documents of equal length a row
 PRESET = Preset(True, ("bfloat16",), ("fwd", "fwd+bwd"), samples=7, min_sample_s=0.002, warmup=2, max_input_sets=2,
                 peak_n=0)
+
+
+def _conv(x, w, b, *, config: Config, packed: bool):
+    """The kernels on ``x (B, L, D)``; ``packed``: four documents of equal length a row."""
+    ids = None
+    if packed:
+        batch, length = x.shape[:2]
+        ids = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32) * 4 // length, (batch, length))
+    return causal_conv1d(x, w, b, segment_ids=ids, activation="silu", implementation="pallas_mosaic_tpu",
+                         config=config)
 
 
 def _copies(compiled) -> int:
@@ -66,14 +81,13 @@ def main() -> None:
                 argsets = _inputs(shape, jnp.bfloat16, PRESET.max_input_sets, mode)
                 compiled = {}
                 for name, config in CANDIDATES.items():
-                    conv = lambda x, w, b, c=config: causal_conv1d(x, w, b, activation="silu",  # noqa: E731
-                                                                   implementation="pallas_mosaic_tpu", config=c)
+                    conv = functools.partial(_conv, config=config, packed=name in PACKED)
                     compiled[name] = jax.jit(mode_fn(conv, mode)).lower(*argsets[0]).compile()
                 times = time_interleaved(compiled, argsets, PRESET)
                 roofline = ideal_bytes(shape, jnp.bfloat16, mode) / bandwidth
                 for name, ts in times.items():
                     stats = compiled[name].memory_analysis()
-                    row = dict(meta, shape=shape.name, mode=mode, config=name,
+                    row = dict(meta, shape=shape.name, mode=mode, config=name, segmented=name in PACKED,
                                blocks=dataclasses.asdict(CANDIDATES[name]), median_s=statistics.median(ts),
                                frac_roofline=roofline / statistics.median(ts), bandwidth_bytes_per_s=bandwidth,
                                measured_bandwidth_bytes_per_s=measured, hlo_copies=_copies(compiled[name]),
