@@ -142,10 +142,11 @@ def test_mosaic_choosing_a_backend_imports_no_mosaic_gpu_module():
 
 @needs_mosaic
 def test_mosaic_is_never_the_default_and_needs_interpret_off_a_gpu():
-    """PREFERENCE stays ("xla",) on every platform: a Mosaic GPU default needs a GPU
-    measurement. Named, the backend lowers for cuda, and elsewhere only interpreted."""
+    """No platform's PREFERENCE holds it (GPUs' stays ("xla",)): a Mosaic GPU default needs
+    a GPU measurement. Named, the backend lowers for cuda, and elsewhere only interpreted."""
     assert NAME in backends.IMPLEMENTATIONS
-    assert all(names == ("xla",) for names in backends.PREFERENCE.values())
+    assert all(NAME not in names for names in backends.PREFERENCE.values())
+    assert backends.PREFERENCE["cuda"] == ("xla",)
     problem = make_problem(np.ones((1, 5, 16), np.float32), np.ones((4, 16), np.float32))[0]
     assert backends.REGISTRY.choose(problem, "cuda").name == "xla"
     assert RECORD.unsupported(problem, "cuda") is None
