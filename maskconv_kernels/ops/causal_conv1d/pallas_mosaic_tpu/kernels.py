@@ -258,23 +258,26 @@ def _params(semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=VMEM_LIMIT_BYTES)
 
 
-def _specs(s: Static, rows_total: int, after: bool):
-    """BlockSpecs of an ``[B, L, C]`` array (C: channels, or 1 for ids) on grid ``(b, c,
-    block)``: the block, the ``H`` rows before it and (``after``) the ``H`` rows after it
-    (the last whole-or-partial ``H`` rows of the array past its end: those rows are masked)."""
+def _halo_specs(s: Static, rows_total: int, ids: bool = False) -> dict:
+    """BlockSpecs, on grid ``(b, c, block)``, of an ``[B, L, C]`` array's block (``C``: the
+    block's channels, or the one column of ids), of the ``H`` rows before it, of the ``H``
+    rows after it (the array's last ``H``-row block past its end: those rows are masked),
+    and of the front's ``[B, H, C]`` block."""
     n, h = s.positions, s.halo
     ratio, last = n // h, cdiv(rows_total, h) - 1
+    cols = 1 if ids else s.channels
+    col = (lambda c: 0) if ids else (lambda c: c)
+    return {
+        "block": pl.BlockSpec((_SQUEEZED, n, cols), lambda b, c, i: (b, i, col(c))),
+        "before": pl.BlockSpec((_SQUEEZED, h, cols), lambda b, c, i: (b, jnp.maximum(i * ratio - 1, 0), col(c))),
+        "after": pl.BlockSpec((_SQUEEZED, h, cols), lambda b, c, i: (b, jnp.minimum((i + 1) * ratio, last), col(c))),
+        "front": pl.BlockSpec((_SQUEEZED, h, cols), lambda b, c, i: (b, 0, col(c))),
+    }
 
-    def specs(cols, col):
-        out = [pl.BlockSpec((_SQUEEZED, n, cols), lambda b, c, i: (b, i, col(c))),
-               pl.BlockSpec((_SQUEEZED, h, cols), lambda b, c, i: (b, jnp.maximum(i * ratio - 1, 0), col(c)))]
-        if after:
-            out.append(pl.BlockSpec((_SQUEEZED, h, cols),
-                                    lambda b, c, i: (b, jnp.minimum((i + 1) * ratio, last), col(c))))
-        out.append(pl.BlockSpec((_SQUEEZED, h, cols), lambda b, c, i: (b, 0, col(c))))  # the front
-        return out
 
-    return specs
+def _shared_spec(rows: int, s: Static):
+    """The BlockSpec of a ``[rows, D]`` operand every example shares (weights, bias): the block's channels."""
+    return pl.BlockSpec((rows, s.channels), lambda b, c, i: (0, c))
 
 
 def forward(x, front, w, bias, ids, ids_front, *, s: Static, interpret: bool):
@@ -282,16 +285,16 @@ def forward(x, front, w, bias, ids, ids_front, *, s: Static, interpret: bool):
     ``bias``, ``ids`` and ``ids_front`` ``None`` where not in use)."""
     batch, length, dim = x.shape
     n, c = s.positions, s.channels
-    specs = _specs(s, length, after=False)
-    channel = lambda c_: c_  # noqa: E731
-    in_specs = specs(c, channel) + [pl.BlockSpec((s.problem.width, c), lambda b, c_, i: (0, c_))]
+    rows = _halo_specs(s, length)
+    in_specs = [rows["block"], rows["before"], rows["front"], _shared_spec(s.problem.width, s)]
     operands = [x, x, front, w]
     if s.problem.has_bias:
-        in_specs.append(pl.BlockSpec((1, c), lambda b, c_, i: (0, c_)))
+        in_specs.append(_shared_spec(1, s))
         operands.append(bias)
     scratch = [pltpu.VMEM((s.halo + n, c), jnp.float32)]
     if s.problem.segmented:
-        in_specs += specs(1, lambda c_: 0)
+        id_rows = _halo_specs(s, length, ids=True)
+        in_specs += [id_rows["block"], id_rows["before"], id_rows["front"]]
         operands += [ids, ids, ids_front]
         scratch.append(pltpu.VMEM((s.halo + n, 1), jnp.int32))
     return pl.pallas_call(
@@ -299,7 +302,7 @@ def forward(x, front, w, bias, ids, ids_front, *, s: Static, interpret: bool):
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(batch, cdiv(dim, c), cdiv(length, n)),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((_SQUEEZED, n, c), lambda b, c_, i: (b, i, c_)),
+        out_specs=rows["block"],
         scratch_shapes=scratch,
         compiler_params=_params(("parallel", "parallel", "parallel")),
         interpret=interpret,
@@ -312,23 +315,23 @@ def backward(x, front, w, bias, ids, ids_front, dy, *, s: Static, interpret: boo
     dx and dfront in x's dtype, the per-example weight and bias gradients float32."""
     batch, length, dim = x.shape
     n, c, h = s.positions, s.channels, s.halo
-    specs = _specs(s, length, after=True)
-    channel = lambda c_: c_  # noqa: E731
-    x_specs = specs(c, channel)  # block, before, after, front
-    in_specs = x_specs + x_specs[:1] + x_specs[2:3] + [pl.BlockSpec((s.problem.width, c), lambda b, c_, i: (0, c_))]
+    rows = _halo_specs(s, length)
+    in_specs = [rows["block"], rows["before"], rows["after"], rows["front"], rows["block"], rows["after"],
+                _shared_spec(s.problem.width, s)]
     operands = [x, x, x, front, dy, dy, w]
     if s.problem.has_bias and s.problem.silu:
-        in_specs.append(pl.BlockSpec((1, c), lambda b, c_, i: (0, c_)))
+        in_specs.append(_shared_spec(1, s))
         operands.append(bias)
     scratch = [pltpu.VMEM((2 * h + n, c), jnp.float32), pltpu.VMEM((2 * h + n, c), jnp.float32)]
     if s.problem.segmented:
-        in_specs += specs(1, lambda c_: 0)
+        id_rows = _halo_specs(s, length, ids=True)
+        in_specs += [id_rows["block"], id_rows["before"], id_rows["after"], id_rows["front"]]
         operands += [ids, ids, ids, ids_front]
         scratch.append(pltpu.VMEM((2 * h + n, 1), jnp.int32))
-    per_example = lambda rows: pl.BlockSpec((_SQUEEZED, rows, c), lambda b, c_, i: (b, 0, c_))  # noqa: E731
+    per_example = lambda height: pl.BlockSpec((_SQUEEZED, height, c), lambda b, c_, i: (b, 0, c_))  # noqa: E731
     out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype),
                  jax.ShapeDtypeStruct((batch, s.problem.width, dim), jnp.float32)]
-    out_specs = [pl.BlockSpec((_SQUEEZED, n, c), lambda b, c_, i: (b, i, c_)), per_example(s.problem.width)]
+    out_specs = [rows["block"], per_example(s.problem.width)]
     if s.problem.has_bias:
         out_shape.append(jax.ShapeDtypeStruct((batch, 1, dim), jnp.float32))
         out_specs.append(per_example(1))
