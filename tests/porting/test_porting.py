@@ -212,14 +212,22 @@ def _stream(step, chunks, kernel, bias):
     return jnp.concatenate(ys, axis=1)
 
 
+def _wan_case(wan, seed: int, x_shape, lengths):
+    """``(kernel, bias, x, chunks, expected)`` of one of Wan's time resamplers: its bias
+    drawn nonzero (``seed``), ``x`` (``seed + 1``) in chunks of ``lengths`` frames, and the
+    module's own outputs on them."""
+    conv = wan.time_conv.conv
+    conv.bias[...] = random(seed, conv.bias[...].shape, scale=0.5)
+    x = random(seed + 1, x_shape)
+    chunks = _schedule(x, lengths)
+    expected, _ = run_chunks(wan, chunks)
+    return conv.kernel[...], conv.bias[...], x, chunks, expected
+
+
 @pytest.mark.parametrize("lengths", [(1, 4, 4), (1, 2, 2, 2, 2), (3, 2, 4)], ids=["1+4+4", "1+2x4", "3+2+4"])
 def test_wan_downsample_recipe(recipes, lengths):
     wan = WanTimeDownsample(4, rngs=nnx.Rngs(9))
-    wan.time_conv.conv.bias[...] = random(9, (4,), scale=0.5)
-    kernel, bias = wan.time_conv.conv.kernel[...], wan.time_conv.conv.bias[...]
-    x = random(10, (2, 9, 3, 4, 4))
-    chunks = _schedule(x, lengths)
-    expected, _ = run_chunks(wan, chunks)
+    kernel, bias, x, chunks, expected = _wan_case(wan, 9, (2, 9, 3, 4, 4), lengths)
     bound = (3 * 4 + 1, scale(x, kernel) + 0.5)
     assert_close(_stream(recipes["wan_downsample_time_stream"], chunks, kernel, bias), expected, F32, *bound)
     if lengths[0] != 1:
@@ -242,11 +250,7 @@ def test_wan_downsample_recipe(recipes, lengths):
 @pytest.mark.parametrize("lengths", [(1,) * 6, (1, 2, 3), (1, 5)], ids=["decoder", "1+2+3", "1+5"])
 def test_wan_upsample_recipe(recipes, lengths):
     wan = WanTimeUpsample(3, rngs=nnx.Rngs(11))
-    wan.time_conv.conv.bias[...] = random(11, (6,), scale=0.5)
-    kernel, bias = wan.time_conv.conv.kernel[...], wan.time_conv.conv.bias[...]
-    x = random(12, (2, 6, 3, 4, 3))
-    chunks = _schedule(x, lengths)
-    expected, _ = run_chunks(wan, chunks)
+    kernel, bias, x, chunks, expected = _wan_case(wan, 11, (2, 6, 3, 4, 3), lengths)
     assert expected.shape[1] == 1 + 2 * 5
     bound = (3 * 3 + 1, scale(x, kernel) + 0.5)
     assert_close(_stream(recipes["wan_upsample_time_stream"], chunks, kernel, bias), expected, F32, *bound)
