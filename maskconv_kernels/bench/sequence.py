@@ -24,8 +24,10 @@ dtype; the first cell's outputs are compared with the shift-and-add's. Beside ea
 the memory roofline, the bytes a fused kernel must move (``fwd``: read x, write y;
 ``bwd``: read x and dy, write dx; the weights once; ``decode``: read the state and the
 token, write the output and the state) over the memory bandwidth: the HBM's specification
-(4.8 TB/s on an H200; on a TPU, jax's own table, 819 GB/s on a v5e, with the copy rate a
-large array add reaches in the same run beside it) or, on a CPU, that measured rate. Writes ``PREFIX.jsonl``
+(4.8 TB/s on an H200; on a TPU, jax's own table, 819 GB/s on a v5e, with the rate a large
+array add reaches in the same run beside it) or, on a CPU, that measured rate. On a TPU each
+row also gives the fraction of its dtype's copy rate (``x * 2`` over 512 MiB, measured in the
+run): what the chip lets one stream in and one out reach. Writes ``PREFIX.jsonl``
 (rows with the machine's metadata) as it goes, then ``PREFIX.md`` and ``PREFIX.png``;
 prints the tables and the goals last.
 """
@@ -186,6 +188,30 @@ def measure_bandwidth(preset: Preset, mib: int = 64) -> float:
     return 3 * 4 * n / statistics.median(times["add"])
 
 
+def measure_copy_rate(preset: Preset, dtype, mib: int = 512) -> float:
+    """Bytes per second of ``x * 2`` (one read, one write) over a ``mib`` MiB array of
+    ``dtype``, in this process: what a one-stream-in, one-stream-out kernel can hope for.
+    On a TPU v5e it is well below the specification, and lower in bfloat16 than in
+    float32 (``benchmarks/tpu_bandwidth.py`` finds a single DMA and a Pallas copy no
+    faster)."""
+    dtype = np.dtype(dtype)
+    x = jnp.ones(((mib << 20) // dtype.itemsize,), dtype)
+    scale = jax.jit(lambda x, _: x * 2).lower(x, None).compile()
+    times = time_interleaved({"copy": scale}, [(x, None)], dataclasses.replace(preset, samples=5))
+    return 2 * x.nbytes / statistics.median(times["copy"])
+
+
+def copy_rates(platform_name: str, preset: Preset) -> dict[str, float]:
+    """On a TPU, :func:`measure_copy_rate` of each of the preset's dtypes, by name (said on
+    stderr); elsewhere none: the roofline is already a measured rate (or a GPU's HBM)."""
+    if platform_name != "tpu":
+        return {}
+    rates = {name: measure_copy_rate(preset, DTYPES[name]) for name in preset.dtypes}
+    print("copy rate (x * 2, 512 MiB): " + ", ".join(f"{n} {r / 1e9:.1f} GB/s" for n, r in rates.items()),
+          file=sys.stderr)
+    return rates
+
+
 def roofline_bandwidth(platform_name: str, preset: Preset) -> tuple[float, float | None]:
     """``(bytes per second for the rooflines, the copy rate measured here or None)``: the
     H200's HBM on a GPU; the chip's specified HBM bandwidth on a TPU (jax's table), beside
@@ -230,13 +256,14 @@ def cells(shapes, preset: Preset):
 
 
 def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: dict, bandwidth: float,
-             found: dict, compare: bool = False) -> list[dict]:
+             found: dict, compare: bool = False, copy_rates: dict | None = None) -> list[dict]:
     dtype = DTYPES[dtype_name]
     argsets = _inputs(shape, dtype, preset.max_input_sets, mode)
     if mode == "decode":
         found = {name: step for name, step in STEPS.items() if name in found}
     base = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype_name, "weight_dtype": "float32",
-            "mode": mode, "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth, **meta}
+            "mode": mode, "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth,
+            "copy_bytes_per_s": (copy_rates or {}).get(dtype_name), **meta}
     rows, compiled = {}, {}
     for name, conv in found.items():
         row = dict(base, implementation=name)
@@ -253,6 +280,8 @@ def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: 
     for name, ts in times.items():
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
+        if base["copy_bytes_per_s"]:
+            rows[name]["frac_copy"] = base["ideal_bytes"] / base["copy_bytes_per_s"] / statistics.median(ts)
     for name in times:
         for ref in (LAX, SHIFT):
             if ref in times and name != ref:
@@ -272,28 +301,30 @@ def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "Median ms (p20-p80); roofline = ideal bytes / bandwidth (the fraction of it achieved in brackets); "
+        "Median ms (p20-p80); roofline = ideal bytes / bandwidth (the fraction of it achieved in brackets); of "
+        "the copy rate: the same bytes at the rate x * 2 of the row's dtype reached in the run (TPUs only); "
         f"speed-ups are {LAX}'s and {SHIFT}'s time over this row's; measured on the timed executables, leak = "
         "max |dx| at positions after the one output given a cotangent, NaN-isolated = outputs before NaN inputs "
         "stay bit-identical.",
         "",
-        "| shape | dtype | mode | implementation | median ms | p20-p80 ms | roofline ms (achieved) "
+        "| shape | dtype | mode | implementation | median ms | p20-p80 ms | roofline ms (achieved) | of the copy rate "
         f"| vs {LAX} | vs {SHIFT} | peak MiB | leak | NaN-isolated |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | error: "
-                         f"{r['error'][:80]} ||||||||")
+                         f"{r['error'][:80]} |||||||||")
             continue
         if "median_s" not in r:
             continue
         vs = [f"{r[k]:.2f}x" if k in r else "—" for k in (f"vs_{LAX}", f"vs_{SHIFT}")]
         peak = "—" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
+        copy = f"{100 * r['frac_copy']:.0f}%" if "frac_copy" in r else "—"
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['implementation']} | {ms(r['median_s'])} "
             f"| {ms(r['p20_s'])}-{ms(r['p80_s'])} | {ms(r['roofline_s'])} ({100 * r['frac_roofline']:.0f}%) "
-            f"| {vs[0]} | {vs[1]} | {peak} | {leak_cell(r)} | {nan_cell(r)} |"
+            f"| {copy} | {vs[0]} | {vs[1]} | {peak} | {leak_cell(r)} | {nan_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -351,9 +382,10 @@ def run(args) -> int:
     meta = metadata(name, args.command)
     bandwidth, measured = roofline_bandwidth(platform_name, preset)
     meta = {**meta, "measured_bandwidth_bytes_per_s": measured}
+    rates = copy_rates(platform_name, preset)
     found = formulations(platform_name, name)
     rows = run_grid(cells(shapes, preset),
-                    lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0),
+                    lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0, copy_rates=rates),
                     out, args.time_budget, f"{meta['device']} (preset {name})")
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1

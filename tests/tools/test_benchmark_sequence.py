@@ -59,3 +59,27 @@ def test_the_decode_steps_compute_the_same_step():
     for name, (y, new_state) in outs.items():
         assert_close(y, ref_y, np.float32, 2 * shape.width, float(np.abs(np.asarray(x)).max()) + 1)
         np.testing.assert_array_equal(new_state, ref_state)
+
+
+def test_a_row_gives_the_fraction_of_its_dtypes_copy_rate():
+    """Given copy rates (measured on TPUs only), a cell's rows carry theirs and the fraction of
+    it their bytes reached; the table shows it, and a dash where none was measured."""
+    preset, (shape,) = sequence.PRESETS["quick"]
+    rate = sequence.measure_copy_rate(preset, np.float32, mib=1)
+    assert rate > 0 and sequence.copy_rates("cpu", preset) == {}
+    found = {name: f for name, f in sequence.formulations("cpu", "cpu").items() if name == sequence.SHIFT}
+    rows = sequence.run_cell(shape, "float32", "fwd", preset, {}, 1e9, found, copy_rates={"float32": rate})
+    (row,) = rows
+    assert row["copy_bytes_per_s"] == rate
+    assert row["frac_copy"] == pytest.approx(row["ideal_bytes"] / rate / row["median_s"])
+    assert _cell(sequence.markdown(rows), "of the copy rate") == f"{100 * row['frac_copy']:.0f}%"
+    (plain,) = sequence.run_cell(shape, "float32", "fwd", preset, {}, 1e9, found)
+    assert plain["copy_bytes_per_s"] is None and "frac_copy" not in plain
+    assert _cell(sequence.markdown([plain]), "of the copy rate") == "—"
+
+
+def _cell(table: str, column: str) -> str:
+    """The first row's cell under ``column`` in a markdown table."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].split("|")]
+    return [c.strip() for c in lines[2].split("|")][header.index(column)]
