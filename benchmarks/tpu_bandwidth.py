@@ -5,8 +5,9 @@
 
 A memory-bound kernel is judged against the bytes it must move over a bandwidth; this
 measures which bandwidth a kernel can reach on the chip at hand. For an array
-``[4, 8192, 4096]`` in bfloat16 and in float32 (``--small``: ``[1, 1024, 1024]``), each
-a read of the array and a write of another:
+``[4, 8192, 4096]`` in bfloat16 and in float32, and one of float32 with bfloat16's bytes
+(``[4, 8192, 2048]``: whether a rate follows the dtype or the size; ``--small``: ``[1,
+1024, 1024]`` and ``[1, 1024, 512]``), each a read of the array and a write of another:
 
 * ``xla_scale``: ``x * 2``, XLA's fused elementwise loop;
 * ``dma``: one HBM-to-HBM DMA of the whole array (``pltpu.make_async_copy``): the DMA
@@ -18,7 +19,8 @@ then ``causal_conv1d(implementation="pallas_mosaic_tpu")`` on the bfloat16 array
 float32 weights), forward and backward (``bench.sequence``'s modes), with bias and SiLU
 and without, over the bytes :func:`maskconv_kernels.bench.sequence.ideal_bytes` says
 they must move. Every row gives its rate, the fraction of the chip's specified bandwidth
-(jax's ``TpuInfo``) and of the best copy of the same dtype. Writes
+(jax's ``TpuInfo``) and of the best copy of the same array (the kernels: of the
+bfloat16 one). Writes
 ``DIR/tpu_bandwidth.jsonl`` with the machine's metadata and prints a table.
 """
 from __future__ import annotations
@@ -108,17 +110,18 @@ def main(argv=None) -> list[dict]:
         spec = float(info.mem_bw_bytes_per_second * info.num_cores)
     rows, best = [], {}
 
-    def add(row: dict, ts: list[float], nbytes: int, dtype: str) -> None:
+    def add(row: dict, ts: list[float], nbytes: int, dtype: str, shape: tuple) -> None:
         median = statistics.median(ts)
         row = dict(meta, **row, dtype=dtype, shape=list(shape), bytes=nbytes, median_s=median,
                    bytes_per_s=nbytes / median, spec_bytes_per_s=spec,
                    frac_spec=None if spec is None else nbytes / median / spec)
         if "copy" in row:
-            best[dtype] = max(best.get(dtype, 0.0), row["bytes_per_s"])
+            best[dtype, shape] = max(best.get((dtype, shape), 0.0), row["bytes_per_s"])
         rows.append(row)
 
-    for dtype in PRESET.dtypes:
-        x = jax.random.normal(jax.random.key(0), shape, jnp.dtype(dtype))
+    half = shape[:2] + (shape[2] // 2,)
+    for dtype, size in (("bfloat16", shape), ("float32", shape), ("float32", half)):
+        x = jax.random.normal(jax.random.key(0), size, jnp.dtype(dtype))
         fns = {name: jax.jit(f).lower(x).compile() for name, f in copies(args.small, interpret).items()}
         for name, fn in fns.items():
             expected = x * 2 if name == "xla_scale" else x
@@ -126,7 +129,7 @@ def main(argv=None) -> list[dict]:
                 raise AssertionError(f"{name} did not copy {dtype}")
         times = time_interleaved(fns, [(x,)], PRESET)
         for name, ts in times.items():
-            add({"copy": name}, ts, 2 * x.size * x.dtype.itemsize, dtype)
+            add({"copy": name}, ts, 2 * x.size * x.dtype.itemsize, dtype, size)
         del x
 
     seq = SeqShape("tpu_bandwidth", shape[0], shape[1], shape[2], 4)
@@ -136,19 +139,19 @@ def main(argv=None) -> list[dict]:
                .lower(*argsets[0]).compile() for silu in (True, False)}
         times = time_interleaved(fns, argsets, PRESET)
         for name, ts in times.items():
-            add({"kernel": name, "mode": mode}, ts, ideal_bytes(seq, jnp.bfloat16, mode), "bfloat16")
+            add({"kernel": name, "mode": mode}, ts, ideal_bytes(seq, jnp.bfloat16, mode), "bfloat16", shape)
 
     for row in rows:
-        row["frac_best_copy"] = row["bytes_per_s"] / best[row["dtype"]]
+        row["frac_best_copy"] = row["bytes_per_s"] / best[row["dtype"], tuple(row["shape"])]
     with open(args.out / "tpu_bandwidth.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"{meta['device']}, array {shape}; spec {'—' if spec is None else f'{spec / 1e9:.0f} GB/s'}")
-    print("| what | dtype | ms | GB/s | of spec | of the dtype's best copy |\n|---|---|---:|---:|---:|---:|")
+    print(f"{meta['device']}; spec {'—' if spec is None else f'{spec / 1e9:.0f} GB/s'}")
+    print("| what | array | ms | GB/s | of spec | of the array's best copy |\n|---|---|---:|---:|---:|---:|")
     for r in rows:
         what = r.get("copy") or f"{r['kernel']} {r['mode']}"
         of_spec = "—" if r["frac_spec"] is None else f"{100 * r['frac_spec']:.0f}%"
-        print(f"| {what} | {r['dtype']} | {1e3 * r['median_s']:.3f} | {r['bytes_per_s'] / 1e9:.1f} | {of_spec} "
+        print(f"| {what} | {r['dtype']} {r['shape']} | {1e3 * r['median_s']:.3f} | {r['bytes_per_s'] / 1e9:.1f} | {of_spec} "
               f"| {100 * r['frac_best_copy']:.0f}% |")
     return rows
 

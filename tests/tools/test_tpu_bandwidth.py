@@ -13,12 +13,14 @@ def test_small_run_writes_a_row_per_copy_and_kernel(tmp_path):
     rows = tpu_bandwidth.main(["--small", "--out", str(tmp_path)])  # each copy checked against x inside
     written = [json.loads(line) for line in (tmp_path / "tpu_bandwidth.jsonl").read_text().splitlines()]
     assert written == json.loads(json.dumps(rows))
-    copies = {(r["copy"], r["dtype"]) for r in rows if "copy" in r}
-    assert copies == {(name, dtype) for name in tpu_bandwidth.copies(True, True) for dtype in ("bfloat16", "float32")}
-    kernels = {(r["kernel"], r["mode"]) for r in rows if "kernel" in r}
-    assert kernels == {(f"causal_conv1d_{k}", m) for k in ("silu", "plain") for m in ("fwd", "bwd")}
-    for dtype in ("bfloat16", "float32"):
-        fractions = [r["frac_best_copy"] for r in rows if r["dtype"] == dtype and "copy" in r]
+    full, half = list(tpu_bandwidth.SMALL_SHAPE), list(tpu_bandwidth.SMALL_SHAPE[:2]) + [512]
+    arrays = (("bfloat16", full), ("float32", full), ("float32", half))
+    copies = sorted((r["copy"], r["dtype"], r["shape"]) for r in rows if "copy" in r)
+    assert copies == sorted((name, *array) for name in tpu_bandwidth.copies(True, True) for array in arrays)
+    kernels = {(r["kernel"], r["mode"], r["dtype"], str(r["shape"])) for r in rows if "kernel" in r}
+    assert kernels == {(f"causal_conv1d_{k}", m, "bfloat16", str(full)) for k in ("silu", "plain") for m in ("fwd", "bwd")}
+    for dtype, shape in arrays:
+        fractions = [r["frac_best_copy"] for r in rows if (r["dtype"], r["shape"]) == (dtype, shape) and "copy" in r]
         assert max(fractions) == 1.0 and min(fractions) > 0
     for r in rows:
         assert r["bytes_per_s"] == pytest.approx(r["bytes"] / r["median_s"])
