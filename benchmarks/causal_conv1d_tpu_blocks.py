@@ -8,7 +8,9 @@ the first ran at a lower rate per element than the other shapes) and a Mamba-2 l
 2k tokens, times the forward and the forward+backward under each candidate ``Config``
 (one process, samples interleaved) and gives each as a fraction of the HBM roofline
 (:func:`maskconv_kernels.bench.sequence.ideal_bytes` over the chip's specified
-bandwidth), with the compiled program's copy instructions and temporary bytes (a layout
+bandwidth) and of the bfloat16 copy rate measured in the run (on a TPU:
+:func:`maskconv_kernels.bench.sequence.copy_rates`; a v5e copies far below its
+specification), with the compiled program's copy instructions and temporary bytes (a layout
 copy of an operand around the kernels would show there). ``default_packed`` is the
 default config on packed documents (four a row, as segment ids), which the sequence
 benchmark does not time. Writes
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from maskconv_kernels.bench.machine import metadata
-from maskconv_kernels.bench.sequence import SeqShape, _inputs, ideal_bytes, mode_fn, roofline_bandwidth
+from maskconv_kernels.bench.sequence import SeqShape, _inputs, copy_rates, ideal_bytes, mode_fn, roofline_bandwidth
 from maskconv_kernels.bench.timing import Preset, time_interleaved
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import Config
@@ -74,6 +76,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = metadata("tpu_blocks", "python -m benchmarks.causal_conv1d_tpu_blocks")
     bandwidth, measured = roofline_bandwidth(jax.default_backend(), PRESET)
+    copy = copy_rates(jax.default_backend(), PRESET).get("bfloat16")
     rows = []
     with open(args.out / "causal_conv1d_tpu_blocks.jsonl", "w") as f:
         for shape in SHAPES:
@@ -90,13 +93,17 @@ def main() -> None:
                     row = dict(meta, shape=shape.name, mode=mode, config=name, segmented=name in PACKED,
                                blocks=dataclasses.asdict(CANDIDATES[name]), median_s=statistics.median(ts),
                                frac_roofline=roofline / statistics.median(ts), bandwidth_bytes_per_s=bandwidth,
+                               copy_bytes_per_s=copy,
+                               frac_copy=None if copy is None else roofline * bandwidth / copy / statistics.median(ts),
                                measured_bandwidth_bytes_per_s=measured, hlo_copies=_copies(compiled[name]),
                                temp_bytes=None if stats is None else stats.temp_size_in_bytes)
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
+                    of_copy = "" if copy is None else f" ({100 * row['frac_copy']:.0f}% of the copy rate)"
                     print(f"{shape.name} {mode:8s} {name:16s} {1e3 * row['median_s']:8.3f} ms "
-                          f"{100 * row['frac_roofline']:5.1f}% of {bandwidth / 1e9:.0f} GB/s, {row['hlo_copies']} "
-                          f"copies, {(row['temp_bytes'] or 0) / 2**20:.0f} MiB temporaries", flush=True)
+                          f"{100 * row['frac_roofline']:5.1f}% of {bandwidth / 1e9:.0f} GB/s{of_copy}, "
+                          f"{row['hlo_copies']} copies, {(row['temp_bytes'] or 0) / 2**20:.0f} MiB temporaries",
+                          flush=True)
 
 
 if __name__ == "__main__":
