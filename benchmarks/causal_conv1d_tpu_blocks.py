@@ -87,14 +87,15 @@ def main() -> None:
                     conv = functools.partial(_conv, config=config, packed=name in PACKED)
                     compiled[name] = jax.jit(mode_fn(conv, mode)).lower(*argsets[0]).compile()
                 times = time_interleaved(compiled, argsets, PRESET)
-                roofline = ideal_bytes(shape, jnp.bfloat16, mode) / bandwidth
+                nbytes = ideal_bytes(shape, jnp.bfloat16, mode)
+                roofline = nbytes / bandwidth
                 for name, ts in times.items():
                     stats = compiled[name].memory_analysis()
                     row = dict(meta, shape=shape.name, mode=mode, config=name, segmented=name in PACKED,
                                blocks=dataclasses.asdict(CANDIDATES[name]), median_s=statistics.median(ts),
                                frac_roofline=roofline / statistics.median(ts), bandwidth_bytes_per_s=bandwidth,
                                copy_bytes_per_s=copy,
-                               frac_copy=None if copy is None else roofline * bandwidth / copy / statistics.median(ts),
+                               frac_copy=None if copy is None else nbytes / copy / statistics.median(ts),
                                measured_bandwidth_bytes_per_s=measured, hlo_copies=_copies(compiled[name]),
                                temp_bytes=None if stats is None else stats.temp_size_in_bytes)
                     rows.append(row)

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from maskconv_kernels.bench.machine import metadata
-from maskconv_kernels.bench.sequence import SeqShape, _inputs, ideal_bytes, mode_fn
+from maskconv_kernels.bench.sequence import SeqShape, _inputs, ideal_bytes, mode_fn, specified_bandwidth
 from maskconv_kernels.bench.timing import Preset, time_interleaved
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d
 
@@ -102,21 +102,14 @@ def main(argv=None) -> list[dict]:
     interpret = jax.default_backend() != "tpu"
     shape = SMALL_SHAPE if args.small else SHAPE
     meta = metadata("tpu_bandwidth", "python -m benchmarks.tpu_bandwidth" + (" --small" if args.small else ""))
-    spec = None
-    if jax.default_backend() == "tpu":
-        from maskconv_kernels._core.hardware import tpu_info
-
-        info = tpu_info()
-        spec = float(info.mem_bw_bytes_per_second * info.num_cores)
-    rows, best = [], {}
+    spec = specified_bandwidth() if jax.default_backend() == "tpu" else None
+    rows = []
 
     def add(row: dict, ts: list[float], nbytes: int, dtype: str, shape: tuple) -> None:
         median = statistics.median(ts)
         row = dict(meta, **row, dtype=dtype, shape=list(shape), bytes=nbytes, median_s=median,
                    bytes_per_s=nbytes / median, spec_bytes_per_s=spec,
                    frac_spec=None if spec is None else nbytes / median / spec)
-        if "copy" in row:
-            best[dtype, shape] = max(best.get((dtype, shape), 0.0), row["bytes_per_s"])
         rows.append(row)
 
     half = shape[:2] + (shape[2] // 2,)
@@ -141,6 +134,11 @@ def main(argv=None) -> list[dict]:
         for name, ts in times.items():
             add({"kernel": name, "mode": mode}, ts, ideal_bytes(seq, jnp.bfloat16, mode), "bfloat16", shape)
 
+    best = {}  # each array's fastest copy
+    for row in rows:
+        if "copy" in row:
+            array = row["dtype"], tuple(row["shape"])
+            best[array] = max(best.get(array, 0.0), row["bytes_per_s"])
     for row in rows:
         row["frac_best_copy"] = row["bytes_per_s"] / best[row["dtype"], tuple(row["shape"])]
     with open(args.out / "tpu_bandwidth.jsonl", "w") as f:

@@ -178,14 +178,19 @@ def ideal_bytes(shape: SeqShape, dtype, mode: str) -> int:
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd, "decode": decode}[mode]
 
 
+def _bytes_per_s(fn, args: tuple, nbytes: int, preset: Preset) -> float:
+    """``nbytes`` over the median time of ``fn(*args)`` compiled (five interleaved samples)."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    times = time_interleaved({"fn": compiled}, [args], dataclasses.replace(preset, samples=5))
+    return nbytes / statistics.median(times["fn"])
+
+
 def measure_bandwidth(preset: Preset, mib: int = 64) -> float:
     """Bytes per second of a large elementwise add (two reads, one write) of ``mib`` MiB of
     float32 per operand, in this process."""
     n = mib << 20 >> 2
     a, b = jnp.ones((n,), jnp.float32), jnp.full((n,), 2.0, jnp.float32)
-    add = jax.jit(lambda a, b, _: a + b).lower(a, b, None).compile()
-    times = time_interleaved({"add": add}, [(a, b, None)], dataclasses.replace(preset, samples=5))
-    return 3 * 4 * n / statistics.median(times["add"])
+    return _bytes_per_s(lambda a, b: a + b, (a, b), 3 * 4 * n, preset)
 
 
 def measure_copy_rate(preset: Preset, dtype, mib: int = 512) -> float:
@@ -196,9 +201,15 @@ def measure_copy_rate(preset: Preset, dtype, mib: int = 512) -> float:
     faster)."""
     dtype = np.dtype(dtype)
     x = jnp.ones(((mib << 20) // dtype.itemsize,), dtype)
-    scale = jax.jit(lambda x, _: x * 2).lower(x, None).compile()
-    times = time_interleaved({"copy": scale}, [(x, None)], dataclasses.replace(preset, samples=5))
-    return 2 * x.nbytes / statistics.median(times["copy"])
+    return _bytes_per_s(lambda x: x * 2, (x,), 2 * x.nbytes, preset)
+
+
+def specified_bandwidth() -> float:
+    """The attached TPU's specified HBM bytes per second, all its cores (jax's table)."""
+    from .._core.hardware import tpu_info
+
+    info = tpu_info()
+    return float(info.mem_bw_bytes_per_second * info.num_cores)
 
 
 def copy_rates(platform_name: str, preset: Preset) -> dict[str, float]:
@@ -220,10 +231,7 @@ def roofline_bandwidth(platform_name: str, preset: Preset) -> tuple[float, float
     if platform_name == "gpu":
         bandwidth, measured, what = H200_HBM_BYTES_PER_S, None, "H200 HBM"
     elif platform_name == "tpu":
-        from .._core.hardware import tpu_info
-
-        info = tpu_info()
-        bandwidth = float(info.mem_bw_bytes_per_second * info.num_cores)
+        bandwidth = specified_bandwidth()
         measured = measure_bandwidth(preset, mib=512)
         what = f"the chip's specified HBM bandwidth; a 512 MiB add moved {measured / 1e9:.1f} GB/s here"
     else:
@@ -256,14 +264,14 @@ def cells(shapes, preset: Preset):
 
 
 def run_cell(shape: SeqShape, dtype_name: str, mode: str, preset: Preset, meta: dict, bandwidth: float,
-             found: dict, compare: bool = False, copy_rates: dict | None = None) -> list[dict]:
+             found: dict, compare: bool = False, rates: dict | None = None) -> list[dict]:
     dtype = DTYPES[dtype_name]
     argsets = _inputs(shape, dtype, preset.max_input_sets, mode)
     if mode == "decode":
         found = {name: step for name, step in STEPS.items() if name in found}
     base = {"shape": shape.name, **dataclasses.asdict(shape), "dtype": dtype_name, "weight_dtype": "float32",
             "mode": mode, "ideal_bytes": ideal_bytes(shape, dtype, mode), "bandwidth_bytes_per_s": bandwidth,
-            "copy_bytes_per_s": (copy_rates or {}).get(dtype_name), **meta}
+            "copy_bytes_per_s": (rates or {}).get(dtype_name), **meta}
     rows, compiled = {}, {}
     for name, conv in found.items():
         row = dict(base, implementation=name)
@@ -385,7 +393,7 @@ def run(args) -> int:
     rates = copy_rates(platform_name, preset)
     found = formulations(platform_name, name)
     rows = run_grid(cells(shapes, preset),
-                    lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0, copy_rates=rates),
+                    lambda i, *cell: run_cell(*cell, preset, meta, bandwidth, found, compare=i == 0, rates=rates),
                     out, args.time_budget, f"{meta['device']} (preset {name})")
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1

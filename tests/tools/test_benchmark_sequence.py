@@ -68,7 +68,7 @@ def test_a_row_gives_the_fraction_of_its_dtypes_copy_rate():
     rate = sequence.measure_copy_rate(preset, np.float32, mib=1)
     assert rate > 0 and sequence.copy_rates("cpu", preset) == {}
     found = {name: f for name, f in sequence.formulations("cpu", "cpu").items() if name == sequence.SHIFT}
-    rows = sequence.run_cell(shape, "float32", "fwd", preset, {}, 1e9, found, copy_rates={"float32": rate})
+    rows = sequence.run_cell(shape, "float32", "fwd", preset, {}, 1e9, found, rates={"float32": rate})
     (row,) = rows
     assert row["copy_bytes_per_s"] == rate
     assert row["frac_copy"] == pytest.approx(row["ideal_bytes"] / rate / row["median_s"])
