@@ -134,8 +134,9 @@ def assert_second_order_close(actual, x, k, mask, dtype=np.float32, **conv_args)
     """
     bits = np.asarray(mask, bool)
     leaky = lambda x, k, m: mk.leaky_masked_conv(x, k, m, precision="highest", **conv_args)
-    with jax.enable_x64(True):
-        x64, k64 = jnp.asarray(x, jnp.float64), jnp.asarray(k, jnp.float64)
+    # On the host's CPU: a TPU has no float64 arithmetic (there this reference came out NaN).
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        x64, k64 = jnp.asarray(np.asarray(x, np.float64)), jnp.asarray(np.asarray(k, np.float64))
         expected = second_order(leaky, x64, k64, mask)
         inner = lambda k: jax.grad(lambda x: (leaky(x, k, mask) ** 2).sum())(jnp.abs(x64))
         magnitude = jax.grad(lambda k: inner(k).sum())(jnp.abs(k64))
