@@ -59,7 +59,8 @@ def pallas_copy(x, *, rows: int, cols: int, interpret: bool):
     return pl.pallas_call(
         _copy_block, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(batch, dim // cols, length // rows),
         in_specs=[spec], out_specs=spec, interpret=interpret, name="tpu_bandwidth_copy",
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3))(x)
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3,
+                                             vmem_limit_bytes=64 << 20))(x)  # 4096x512 float32: 32 MiB of buffers
 
 
 def _copy_dma(x_hbm, y_hbm, sem):
