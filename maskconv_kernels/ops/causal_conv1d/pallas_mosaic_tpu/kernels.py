@@ -57,7 +57,7 @@ from ...._core.tiling import cdiv
 from ..checks import Problem
 from .config import KERNELS, VMEM_LIMIT_BYTES
 
-__all__ = ["Static", "forward", "backward"]
+__all__ = ["Static", "forward", "backward", "sigmoid"]
 
 _SQUEEZED = pl.Squeezed()
 
@@ -121,6 +121,14 @@ def _pre(xs_ref, ids_ref, w_ref, bias_ref, lo: int, rows: int, s: Static):
     return pre
 
 
+def sigmoid(v):
+    """SiLU's sigmoid as ``0.5 * tanh(v / 2) + 0.5``: one transcendental and no division,
+    where ``jax.nn.sigmoid`` lowers to ``1 / (1 + exp(-v))`` on a TPU. The backward with
+    bias and SiLU ran 9% faster with it on a TPU v5e (benchmarks/NOTES.md); float32
+    either way, the two differ by a few float32 ulps."""
+    return 0.5 * jnp.tanh(0.5 * v) + 0.5
+
+
 def _unpack(refs, names):
     """The refs by name (``None`` for each name not in use), in ``names``' order."""
     it = iter(refs)
@@ -154,7 +162,7 @@ def _forward_kernel(*refs, s: Static):
     if s.problem.segmented:
         _fill(r["is"], r["ids_front"], r["ids_before"], r["ids"], None, first, s)
     pre = _pre(r["xs"], r["is"], r["w"], r["bias"], s.halo, s.positions, s)
-    y = pre * jax.nn.sigmoid(pre) if s.problem.silu else pre
+    y = pre * sigmoid(pre) if s.problem.silu else pre
     if s.problem.segmented:
         live = jnp.broadcast_to(r["ids"][...], y.shape) >= 0
         y = jnp.where(live, y, 0.0)  # padding outputs are zeros, bias and activation included
@@ -205,7 +213,7 @@ def _backward_kernel(*refs, s: Static):
     g = gs[h:]
     if s.problem.silu:
         pre = _pre(r["xs"], r["is"], r["w"], r["bias"], h, rows, s)
-        sig = jax.nn.sigmoid(pre)
+        sig = sigmoid(pre)
         g = g * (sig * (1.0 + pre * (1.0 - sig)))
     gs[h:] = jnp.where(valid, g, 0.0)
     gs[:h] = jnp.zeros((h, c), jnp.float32)
