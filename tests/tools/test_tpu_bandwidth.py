@@ -16,7 +16,11 @@ def test_small_run_writes_a_row_per_copy_and_kernel(tmp_path):
     full, half = list(tpu_bandwidth.SMALL_SHAPE), list(tpu_bandwidth.SMALL_SHAPE[:2]) + [512]
     arrays = (("bfloat16", full), ("float32", full), ("float32", half))
     copies = sorted((r["copy"], r["dtype"], r["shape"]) for r in rows if "copy" in r)
-    assert copies == sorted((name, *array) for name in tpu_bandwidth.copies(True, True) for array in arrays)
+    assert copies == sorted((name, dtype, shape) for dtype, shape in arrays
+                            for name in tpu_bandwidth.copies(True, True, tuple(shape)))
+    wide = tuple(tpu_bandwidth.SMALL_SHAPE[:2]) + (tpu_bandwidth.SMALL_BLOCKS[0][1] // 2,)
+    assert not [name for name in tpu_bandwidth.copies(True, True, wide) if name.startswith("pallas_")], \
+        "a block wider than the array is no copy"
     kernels = {(r["kernel"], r["mode"], r["dtype"], str(r["shape"])) for r in rows if "kernel" in r}
     assert kernels == {(f"causal_conv1d_{k}", m, "bfloat16", str(full)) for k in ("silu", "plain") for m in ("fwd", "bwd")}
     for dtype, shape in arrays:
