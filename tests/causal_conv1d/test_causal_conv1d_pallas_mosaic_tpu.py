@@ -22,7 +22,7 @@ from support.tiers import tiered
 from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import KERNELS, PREFERRED_FROM, Config
-from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import halo_rows
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import DECODE_KERNEL, halo_rows
 
 NAME = "pallas_mosaic_tpu"
 RECORD = backends.REGISTRY.get(NAME)
@@ -63,10 +63,21 @@ def test_the_halo_is_the_state_in_whole_tiles():
     assert Config().blocks(False, 2048, 100, 3) == (1024, 100)
 
 
+def test_decode_blocks_are_whole_dmas():
+    """A decode step's channels divide D (each row's slot is one DMA per block), all of D
+    up to 8192 channels; its rows are the batch's, up to ``decode_rows``."""
+    assert Config().decode_blocks(4, 48) == (4, 48)
+    assert Config().decode_blocks(256, 8192) == (8, 8192)
+    assert Config(decode_channels=4096).decode_blocks(64, 8192) == (8, 4096)
+    assert Config(decode_channels=4096, decode_rows=32).decode_blocks(64, 6144) == (32, 3072)
+    assert Config(decode_channels=1024).decode_blocks(3, 4128) == (3, 4128)  # no multiple of 128 divides it
+
+
 @pytest.mark.parametrize("field, value", [("block_positions", 24), ("block_positions", 0), ("block_channels", 100),
-                                          ("backward_block_channels", 8192), ("backward_block_positions", 1.5)])
+                                          ("backward_block_channels", 8192), ("backward_block_positions", 1.5),
+                                          ("decode_rows", 0), ("decode_channels", 200), ("decode_channels", 16384)])
 def test_config_says_what_a_block_must_be(field, value):
-    with pytest.raises(ValueError, match=f"Config.{field} must be a multiple of"):
+    with pytest.raises(ValueError, match=f"Config.{field} must be (a multiple of|an int from)"):
         Config(**{field: value})
 
 
@@ -121,13 +132,24 @@ def test_needs_a_tpu_or_interpret_mode_and_refuses_float16_activations():
     assert RECORD.unsupported(mixed, "tpu") is None
 
 
-def test_a_decode_step_lowered_for_tpu_keeps_the_xla_path():
-    """``causal_conv1d_update`` (one token a row) with ``implementation=None``, lowered for a TPU:
-    shorter than a block, so no Mosaic kernel (the decode step timed there is xla's)."""
+def test_a_decode_step_lowered_for_tpu_is_one_kernel_on_the_donated_pool():
+    """``causal_conv1d_update`` (one token a row, a pool of slots) with ``implementation=None``,
+    lowered for a TPU from a CPU host: one Mosaic kernel, the decode kernel, whose second
+    output is the pool operand's buffer, and the pool donated by the caller; no gather,
+    scatter or convolution around it. Lowered for CPU, the same call composes XLA ops."""
     from maskconv_kernels import causal_conv1d_update
 
-    x, pool = jax.ShapeDtypeStruct((8, 1536), jnp.bfloat16), jax.ShapeDtypeStruct((8, 3, 1536), jnp.bfloat16)
+    x, pool = jax.ShapeDtypeStruct((64, 1536), jnp.bfloat16), jax.ShapeDtypeStruct((128, 3, 1536), jnp.bfloat16)
     w, b = jax.ShapeDtypeStruct((4, 1536), jnp.float32), jax.ShapeDtypeStruct((1536,), jnp.float32)
-    step = jax.jit(lambda x, pool, w, b: causal_conv1d_update(x, pool, w, b, activation="silu"), donate_argnums=1)
-    text = step.trace(x, pool, w, b).lower(lowering_platforms=("tpu",)).as_text()
-    assert "tpu_custom_call" not in text
+    idx = jax.ShapeDtypeStruct((64,), jnp.int32)
+    step = jax.jit(lambda x, pool, w, b, idx: causal_conv1d_update(x, pool, w, b, activation="silu",
+                                                                 state_indices=idx), donate_argnums=1)
+    text = step.trace(x, pool, w, b, idx).lower(lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
+    assert f'kernel_name = "{DECODE_KERNEL}"' in text
+    assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[1\]", text)
+    assert "tf.aliasing_output = 1" in text  # the caller's pool is donated to the new pool
+    for op in ("stablehlo.scatter", "stablehlo.gather", "stablehlo.convolution"):
+        assert op not in text, op
+    cpu = step.trace(x, pool, w, b, idx).lower(lowering_platforms=("cpu",)).as_text()
+    assert "tpu_custom_call" not in cpu and "stablehlo.scatter" in cpu

@@ -84,12 +84,26 @@ CASES = [
 ]
 
 
+# The default (on a TPU the one-launch decode kernel, elsewhere xla's composition) and the
+# kernel named, interpreted off a TPU (linear states; circular ones run its forward kernel
+# between the gather and the scatter).
+TPU_KERNEL = dict(implementation="pallas_mosaic_tpu", interpret=jax.default_backend() != "tpu")
+IMPLEMENTATIONS = [pytest.param({}, id="default"), pytest.param(TPU_KERNEL, id="pallas_mosaic_tpu")]
+
+
+def _skip_float16(impl, case):
+    if impl and F16 in (case.x_dtype,):
+        pytest.skip("pallas_mosaic_tpu refuses float16 activations (TPUs have no float16 arithmetic)")
+
+
 # causal-conv1d's grid at width 4 and every named case in the README's command; widths 2 and 3 in the slow tier.
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize(
     "case", tiered(CASES, lambda c: (c.width == 4 and not c.circular) or c in CASES[12::2]), ids=lambda c: c.id,
 )
-def test_update_matches_the_reference(case):
+def test_update_matches_the_reference(case, impl):
     """Rows: two in slots, one padding, one starting a new sequence in a NaN slot."""
+    _skip_float16(impl, case)
     window = (case.width - 1) * case.dilation
     state_len = window + case.extra
     indices = np.array([4, PAD_SLOT_ID, 0, 6], np.int32)
@@ -101,10 +115,10 @@ def test_update_matches_the_reference(case):
     b = random(3, (case.dim,), case.w_dtype, scale=0.5) if case.bias else None
     seqlens = np.array([11, 0, 3, 0], np.int32) if case.circular else None
     kw = dict(
-        activation=case.activation, dilation=case.dilation, cache_seqlens=seqlens, has_initial_state=has_initial_state
+        activation=case.activation, dilation=case.dilation, cache_seqlens=seqlens, has_initial_state=has_initial_state,
     )
 
-    y, new_pool = jax.jit(lambda x, pool, idx: causal_conv1d_update(x, pool, w, b, state_indices=idx, **kw))(
+    y, new_pool = jax.jit(lambda x, pool, idx: causal_conv1d_update(x, pool, w, b, state_indices=idx, **kw, **impl))(
         x, pool, indices
     )
     ry, rpool = causal_conv1d_update_reference(x, pool, w, b, state_indices=indices, **kw)
@@ -137,7 +151,7 @@ def test_without_state_indices_row_b_uses_slot_b():
 EXACT = [(2, 1, True), (2, 3, True), (3, 1, False), (4, 1, True), (4, 1, False), (4, 2, True), (8, 1, True)]
 
 
-def _decode(x, w, b, *, activation, dilation, tokens, circular):
+def _decode(x, w, b, *, activation, dilation, tokens, circular, impl=None):
     """Decodes ``x`` ``(B, L, D)`` ``tokens`` at a time, each row in its own slot of a NaN-filled pool.
 
     Rows 0 and 1 live in slots 5 and 2, between them a padding row; the pool starts all
@@ -155,7 +169,7 @@ def _decode(x, w, b, *, activation, dilation, tokens, circular):
         return causal_conv1d_update(
             chunk, pool, w, b, activation=activation, dilation=dilation, state_indices=slots,
             cache_seqlens=jnp.full((3,), seqlen, jnp.int32) if circular else None,
-            has_initial_state=jnp.full((3,), jnp.logical_not(fresh)),
+            has_initial_state=jnp.full((3,), jnp.logical_not(fresh)), **(impl or {}),
         )
 
     step = jax.jit(step, donate_argnums=1)
@@ -188,12 +202,52 @@ def test_decoding_equals_the_full_forward_bit_for_bit(width, dilation, bias, tok
     expected, final = jax.jit(
         lambda x: causal_conv1d(x, w, b, activation="silu", dilation=dilation, return_final_state=True)
     )(x)
-    got, pool = _decode(x, w, b, activation="silu", dilation=dilation, tokens=tokens, circular=circular)
+    # XLA's composition, named: on a TPU the default is the decode kernel, whose float32
+    # arithmetic is the forward kernel's, not XLA's (test_the_decode_kernel_decodes_as_the_full_forward)
+    got, pool = _decode(x, w, b, activation="silu", dilation=dilation, tokens=tokens, circular=circular,
+                        impl=dict(implementation="xla"))
     np.testing.assert_array_equal(_bits(got), _bits(expected))
     if not circular:
         np.testing.assert_array_equal(_bits(pool[jnp.array([5, 2])]), _bits(final))
     untouched = [s for s in range(SLOTS) if s not in (5, 2)]
     assert np.isnan(np.asarray(pool[jnp.array(untouched)], np.float32)).all()
+
+
+@pytest.mark.parametrize("width,dilation,bias,tokens,dtype", [(8, 1, True, 3, F32), (4, 2, True, 1, BF16),
+                                                             (4, 1, False, 1, F32)], ids=str)
+def test_the_decode_kernel_decodes_as_the_full_forward(width, dilation, bias, tokens, dtype):
+    """The TPU's one-launch decode kernel (interpreted), step by step from a NaN pool: the full
+    forward's outputs and final state. Its arithmetic is the forward kernel's (``bias + sum_t
+    w[t] x[p - back(t)]`` in float32, that order, rounded once); its final state is copies."""
+    x = random(0, (2, 19, 24), dtype)
+    w = random(1, (width, 24), np.float32, scale=0.5)
+    b = random(2, (24,), np.float32) if bias else None
+    expected, final = jax.jit(
+        lambda x: causal_conv1d(x, w, b, activation="silu", dilation=dilation, return_final_state=True)
+    )(x)
+    got, pool = _decode(x, w, b, activation="silu", dilation=dilation, tokens=tokens, circular=False,
+                        impl=TPU_KERNEL)
+    assert_close(got, expected, dtype, width, 4.0)
+    np.testing.assert_array_equal(_bits(pool[jnp.array([5, 2])]), _bits(final))
+    untouched = [s for s in range(SLOTS) if s not in (5, 2)]
+    assert np.isnan(np.asarray(pool[jnp.array(untouched)], np.float32)).all()
+
+
+def test_the_decode_kernel_differentiates_as_the_composition():
+    """The kernel's derivative is the composition's (its custom VJP), for x, the pool, the
+    weight and the bias; finite with a pad row (the composition's were NaN there: it read
+    the pad row's slot as NaN and multiplied its zero cotangent by it)."""
+    x, w, b = random(0, (3, 2, 16)), random(1, (4, 16)), random(2, (16,))
+    pool, indices = random(3, (5, 3, 16)), jnp.array([4, PAD_SLOT_ID, 1], jnp.int32)
+
+    def loss(impl):
+        def f(x, pool, w, b):
+            y, new = causal_conv1d_update(x, pool, w, b, activation="silu", state_indices=indices, **impl)
+            return (y ** 2).sum() + (new * jnp.arange(16.0)).sum()
+        return jax.grad(f, argnums=(0, 1, 2, 3))(x, pool, w, b)
+
+    for got, expected in zip(loss(TPU_KERNEL), loss(dict(implementation="xla"))):
+        assert_close(got, expected, F32, 8, 8.0)
 
 
 def test_a_rows_result_does_not_depend_on_other_slots():
@@ -212,8 +266,10 @@ def test_a_rows_result_does_not_depend_on_other_slots():
 
 # --------------------------------------------------------------------------- in place
 
-@pytest.mark.parametrize("circular", [False, True], ids=["linear", "circular"])
-def test_the_pool_is_updated_in_place_under_jit_with_donation(circular):
+@pytest.mark.parametrize("circular,impl", [(False, {}), (True, {}),
+                                           (False, TPU_KERNEL)],
+                         ids=["linear", "circular", "linear-pallas_mosaic_tpu"])
+def test_the_pool_is_updated_in_place_under_jit_with_donation(circular, impl):
     """The compiled program aliases the pool to its output and holds no copy of it; the buffer is reused.
 
     On every platform: the alias in the module's header, temporaries smaller than the pool as
@@ -226,7 +282,7 @@ def test_the_pool_is_updated_in_place_under_jit_with_donation(circular):
     indices = jnp.array([9, PAD_SLOT_ID, 40, 3], jnp.int32)
     seqlens = jnp.array([5, 0, 2, 7], jnp.int32) if circular else None
     update = jax.jit(
-        lambda x, pool, idx, n: causal_conv1d_update(x, pool, w, b, state_indices=idx, cache_seqlens=n),
+        lambda x, pool, idx, n: causal_conv1d_update(x, pool, w, b, state_indices=idx, cache_seqlens=n, **impl),
         donate_argnums=1,
     )
     compiled = update.lower(x, pool, indices, seqlens).compile()
@@ -240,7 +296,8 @@ def test_the_pool_is_updated_in_place_under_jit_with_donation(circular):
         pool_shape = f"f32[{slots},3,{dim}]"
         copies = re.findall(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} copy\(", hlo)
         assert not copies, copies
-        assert re.search(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} scatter\(", hlo), hlo
+        if not impl:  # the composition scatters; the decode kernel writes the slots in its loop
+            assert re.search(rf"= {re.escape(pool_shape)}\{{[^}}]*\}} scatter\(", hlo), hlo
     address = pool.unsafe_buffer_pointer()
     _, new = update(x, pool, indices, seqlens)
     assert pool.is_deleted() and new.unsafe_buffer_pointer() == address

@@ -3,19 +3,26 @@
 One or several new tokens per row from a pool of states ``(S, state_len, D)``
 (``state_indices`` choose each row's slot for continuous batching, :data:`PAD_SLOT_ID`
 rows touch nothing; linear or, with ``cache_seqlens``, circular states), in place under
-``jax.jit`` with donation. Each step is :func:`~.api.causal_conv1d` on the slot's window.
+``jax.jit`` with donation. Each step is :func:`~.api.causal_conv1d` on the slot's window,
+or on a TPU one decode kernel (:mod:`.pallas_mosaic_tpu.decode`).
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .api import forward
+from .backends import REGISTRY
 from ..._core.args import as_operand
 from ..._core.errors import OpError
 from ..._core.history import History, Ring, check_dtype
 from .checks import check_activation, check_operands, ids_of, problem_of, unread_before_a_start
+from . import pallas_mosaic_tpu as tpu
+from .pallas_mosaic_tpu.config import NAN, PAD, ZEROS
 from .state import final_state
 
 __all__ = [
@@ -58,7 +65,14 @@ def causal_conv1d_update(
     differently; the docs' *where bit for bit stops* page says where this was seen.)
 
     Under ``jax.jit(..., donate_argnums=1)`` the pool is updated in place: one gather of
-    the rows' slots, one scatter of them back, no copy of the pool.
+    the rows' slots, one scatter of them back, no copy of the pool. On a TPU, linear
+    states without ``positions`` and up to 16 tokens a row run as one Mosaic kernel
+    instead (``causal_conv1d_tpu_update``, :mod:`.pallas_mosaic_tpu.decode`): the pool stays
+    in HBM, aliased to the new one, and only the rows' slots move, by DMA. It is the
+    default there (``implementation=None``) and runs anywhere by name with
+    ``implementation="pallas_mosaic_tpu", interpret=True``; its float32 arithmetic is the
+    TPU forward kernel's, so its outputs are within rounding of XLA's, not bit for bit.
+    It has no derivative of its own: differentiating it differentiates the composition.
 
     Args:
       x: ``(B, T, D)``, or ``(B, D)`` for one token; float32, bfloat16 or float16.
@@ -66,7 +80,8 @@ def causal_conv1d_update(
         dilation``. Linear (``cache_seqlens=None``): a slot holds the last ``state_len``
         inputs of its sequence, oldest first (Mamba keeps ``state_len = W``). Circular
         (``cache_seqlens`` given): input ``p`` of a sequence lives at ``p % state_len``.
-      weight, bias, activation, dilation, implementation, interpret: as in :func:`~.api.causal_conv1d`.
+      weight, bias, activation, dilation, implementation, interpret: as in :func:`~.api.causal_conv1d`
+        (``"pallas_mosaic_tpu"``: the decode kernel where it applies, above).
       state_indices: ``(B,)`` signed integers or ``None`` (row ``b`` uses slot ``b``; then
         ``S == B``). :data:`PAD_SLOT_ID` (-1) marks a row that holds no request: its
         outputs are zeros and it reads and writes nothing. Indices are checked (in ``[0,
@@ -125,32 +140,89 @@ def causal_conv1d_update(
         ids = ids_of(None, positions[:, None] if one_token else positions, xt.shape[:2],
                      "(B, T), or (B,) for one token", OP)
 
+    # The arguments were checked above: the problem is built once, not checked again.
+    problem = problem_of(xt, weight, bias, ids, conv_state, activation=activation, dilation=dilation)
+    pieces = dict(problem=problem, implementation=implementation, interpret=interpret)
+    args = (xt, conv_state, weight, bias, indices, has_initial_state)
+    if cache_seqlens is None and ids is None and _one_launch(problem, implementation, interpret):
+        y, new_state = _launched(*args, **pieces)
+    else:
+        y, new_state = _composed(*args, ids=ids, cache_seqlens=cache_seqlens, **pieces)
+    return (y[:, 0] if one_token else y), new_state
+
+
+def _composed(x, conv_state, weight, bias, indices, has_initial_state, *, ids, cache_seqlens, problem, implementation,
+              interpret):
+    """``(y, new_state)`` composed of XLA ops around :func:`~.api.causal_conv1d`'s forward: a
+    gather of the rows' slots, the forward on each row's window then tokens, a scatter."""
+    state_len, window = conv_state.shape[1], problem.state_len
     rows = conv_state if indices is None else read_slots(conv_state, indices)
+    if indices is not None:  # a pad row reads zeros, not read_slots' NaN: its zeroed outputs' gradients stay 0
+        rows = jnp.where((indices == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)
     if has_initial_state is not None:
         rows = jnp.where(has_initial_state[:, None, None], rows, jnp.zeros((), rows.dtype))
-    if ids is not None and tokens:
+    if ids is not None and x.shape[1]:
         rows = unread_before_a_start(rows, ids)
     if cache_seqlens is None:  # the slot is the sequence's last state_len inputs
         slot = History(rows)
         before = rows[:, state_len - window :]
         if ids is None:
-            new_rows = slot.after(slot.extend(xt)[0]).inputs
+            new_rows = slot.after(slot.extend(x)[0]).inputs
         else:  # the last document's inputs, zeros before its start
-            new_rows = final_state(xt, rows, ids, state_len)
+            new_rows = final_state(x, rows, ids, state_len)
     else:
         ring = Ring(state_len)
         before = ring.read(rows, cache_seqlens, window)
-        new_rows = ring.write(rows, cache_seqlens, xt)
-    # The arguments were checked above: the problem is built once, not checked again.
-    problem = problem_of(xt, weight, bias, ids, before, activation=activation, dilation=dilation)
-    y = forward(OP, problem, xt, weight, bias, ids, before, implementation=implementation, interpret=interpret,
+        new_rows = ring.write(rows, cache_seqlens, x)
+    y = forward(OP, problem, x, weight, bias, ids, before, implementation=implementation, interpret=interpret,
                 config=None)
     if indices is None:
-        new_state = new_rows
-    else:
-        y = zero_padding_rows(y, indices)
-        new_state = write_slots(conv_state, indices, new_rows)
-    return (y[:, 0] if one_token else y), new_state
+        return y, new_rows
+    return zero_padding_rows(y, indices), write_slots(conv_state, indices, new_rows)
+
+
+def _one_launch(problem, implementation: str | None, interpret: bool) -> bool:
+    """Whether the decode step runs as the TPU's one-launch kernel: asked for by name
+    (``"pallas_mosaic_tpu"``, checked as the forward would check it), or ``None`` without
+    ``interpret`` (then on TPUs only, decided when lowered), for the problems it takes: up
+    to :data:`~.pallas_mosaic_tpu.MAX_DECODE_TOKENS` tokens a row."""
+    if not 0 < problem.length <= tpu.MAX_DECODE_TOKENS:
+        return False
+    if implementation == "pallas_mosaic_tpu":
+        REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
+        return True
+    return implementation is None and interpret is False and tpu.unsupported(problem, None) is None
+
+
+def _launched(x, conv_state, weight, bias, indices, has_initial_state, *, problem, implementation, interpret):
+    """``(y, new_state)`` from the decode kernel (on TPUs for ``implementation=None``, XLA's
+    composition elsewhere), differentiable through the composition's derivatives."""
+    batch = x.shape[0]
+    indices = jnp.arange(batch, dtype=jnp.int32) if indices is None else indices
+    fresh = jnp.zeros((batch,), bool) if has_initial_state is None else jnp.logical_not(has_initial_state)
+    composed = functools.partial(_composed, ids=None, cache_seqlens=None, problem=problem, implementation="xla",
+                                 interpret=False)
+
+    @jax.custom_vjp
+    def kernel(x, conv_state, weight, bias):
+        slots, inside = _in_pool(indices, conv_state.shape[0])
+        reads = jnp.where(indices == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
+        writes = jnp.where(inside, slots, -1)
+        return tpu.update(x, conv_state, weight, bias, reads.astype(jnp.int32), writes.astype(jnp.int32),
+                          problem=problem, interpret=interpret)
+
+    def kernel_fwd(x, conv_state, weight, bias):
+        return kernel(x, conv_state, weight, bias), (x, conv_state, weight, bias)
+
+    def kernel_bwd(residuals, cotangents):
+        _, vjp = jax.vjp(lambda *a: composed(*a, indices, ~fresh), *residuals)
+        return vjp(cotangents)
+
+    kernel.defvjp(kernel_fwd, kernel_bwd)
+    if implementation is None:  # the kernel where lowered for a TPU, the composition elsewhere
+        return lax.platform_dependent(x, conv_state, weight, bias, tpu=kernel,
+                                      default=lambda *a: composed(*a, indices, ~fresh))
+    return kernel(x, conv_state, weight, bias)
 
 
 # The pool's slots are read and written along its first axis only, so these serve any

@@ -2,7 +2,9 @@
 
 * :mod:`.config`: :class:`Config`, the blocks and the VMEM limit;
 * :mod:`.kernels`: the forward and the backward kernel (VPU code: a depthwise conv has
-  no matmul), each block with its halo rows read as a second BlockSpec.
+  no matmul), each block with its halo rows read as a second BlockSpec;
+* :mod:`.decode`: ``causal_conv1d_update``'s decode step as one launch (:func:`update`):
+  the rows' slots read and written by DMA in a pool left in HBM and aliased in place.
 
 Lowers for TPUs, or runs anywhere in Pallas' interpreter (``interpret=True``, traced
 inline). Every feature of the op: segment ids (and positions, read as ids), an initial
@@ -22,14 +24,20 @@ import numpy as np
 from ..checks import Problem
 from .config import KERNELS, Config, halo_rows
 
-__all__ = ["Config", "KERNELS", "DTYPES", "PREFERRED_FROM", "unsupported", "not_preferred", "forward", "backward"]
+__all__ = [
+    "Config", "KERNELS", "DTYPES", "PREFERRED_FROM", "MAX_DECODE_TOKENS", "unsupported", "not_preferred", "forward",
+    "backward", "update",
+]
 
 DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
 # implementation=None takes the kernels for sequences of at least one forward block: they
-# were timed at 2k-16k positions (docs/performance.md, TPU v5e). Shorter calls (decode
-# steps, the serving step's small chunks) keep xla's path, whose TPU decode step is the
-# one that was timed.
+# were timed at 2k-16k positions (docs/performance.md, TPU v5e). Shorter calls (the
+# serving step's small chunks) keep xla's path; causal_conv1d_update's decode step has its
+# own kernel (update, .decode), timed against xla's there.
 PREFERRED_FROM = Config().block_positions
+# The decode kernel unrolls its tokens: more than this per row is a prefill chunk, which
+# the forward kernel (or xla) runs.
+MAX_DECODE_TOKENS = 16
 _WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
@@ -80,6 +88,23 @@ def backward(operands: dict, dy, *, problem: Problem, config: Config | None = No
     if "state" in operands:
         grads["state"] = dfront[:, s.halo - problem.state_len:].astype(operands["state"].dtype)
     return [grads[name] for name in operands if name != "ids"]
+
+
+def update(x, pool, weight, bias, reads, writes, *, problem: Problem, config: Config | None = None,
+           interpret: bool = False):
+    """``(y (B, T, D), pool)`` from the decode kernel: ``x (B, T, D)`` after each row's slot
+    of ``pool (slots, state_len, D)`` (x's dtype); ``reads``, ``writes`` ``(B,)`` int32 codes
+    (:mod:`.decode`); the pool returned is the one given, aliased (in place when donated)."""
+    from . import decode
+
+    config = config if config is not None else Config()
+    batch, tokens, dim = x.shape
+    rows, channels = config.decode_blocks(batch, dim)
+    s = decode.DecodeStatic(width=problem.width, dilation=problem.dilation, tokens=tokens,
+                            state_len=pool.shape[1], rows=rows, channels=channels, has_bias=problem.has_bias,
+                            silu=problem.silu)
+    b = bias.astype(jnp.float32)[None] if bias is not None else None
+    return decode.update(x, pool, weight.astype(jnp.float32), b, reads, writes, s=s, interpret=bool(interpret))
 
 
 def _rows(a, rows: int, fill=0):

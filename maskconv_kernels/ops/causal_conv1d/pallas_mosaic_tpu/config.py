@@ -9,10 +9,13 @@ import dataclasses
 from ...._core.args import is_int
 from ...._core.tiling import round_up
 
-__all__ = ["Config", "KERNELS", "LANES", "VMEM_LIMIT_BYTES", "halo_rows"]
+__all__ = ["Config", "KERNELS", "DECODE_KERNEL", "ZEROS", "NAN", "PAD", "LANES", "VMEM_LIMIT_BYTES", "halo_rows"]
 
 # The kernels' names (in a lowered module, in profiles).
 KERNELS = ("causal_conv1d_tpu_fwd", "causal_conv1d_tpu_bwd")
+DECODE_KERNEL = "causal_conv1d_tpu_update"  # causal_conv1d_update's decode step (.decode)
+# The decode kernel's codes for a row's slot read (``reads``): a slot number, or one of these.
+ZEROS, NAN, PAD = -1, -2, -3  # not read (zeros); an index outside the pool (NaN); a pad row
 LANES = 128  # a vreg's lanes: a block's channels are a multiple of this, or all of them
 SUBLANES = 16  # a bfloat16 vreg's rows (float32: 8): halos and position blocks are multiples
 MiB = 1 << 20
@@ -38,6 +41,12 @@ class Config:
         sees each element ``1 + H / positions`` times (``2H`` in the backward).
       block_channels, backward_block_channels: channels per grid step (a multiple of 128
         up to 4096); ``D`` no larger than this is one block of all its channels.
+      decode_rows, decode_channels: the decode kernel's (``causal_conv1d_update``) rows of
+        the batch and channels per grid step: rows from 1 to 256 (a batch no larger is
+        one block; rows are a leading dimension of its blocks), channels a multiple of
+        128 up to 8192 (the largest that divides ``D``; ``D`` itself where none does).
+        A step moves one DMA per row each way, so the fewer channel blocks the better
+        (docs/performance.md, TPU v5e: the decode kernel's sweep).
 
     The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
     block: the step's DMA overlaps the previous step's arithmetic) and keep the
@@ -49,6 +58,8 @@ class Config:
     block_channels: int = 512
     backward_block_positions: int = 512
     backward_block_channels: int = 512
+    decode_rows: int = 8
+    decode_channels: int = 8192
 
     def __post_init__(self):
         for field in ("block_positions", "backward_block_positions"):
@@ -56,6 +67,12 @@ class Config:
             if not is_int(value) or value % SUBLANES or not SUBLANES <= value <= _MAX_POSITIONS:
                 raise ValueError(f"Config.{field} must be a multiple of {SUBLANES} from {SUBLANES} to "
                                  f"{_MAX_POSITIONS}, got {value!r}")
+        if not is_int(self.decode_rows) or not 1 <= self.decode_rows <= 256:
+            raise ValueError(f"Config.decode_rows must be an int from 1 to 256, got {self.decode_rows!r}")
+        channels = self.decode_channels
+        if not is_int(channels) or channels % LANES or not LANES <= channels <= 8192:
+            raise ValueError(f"Config.decode_channels must be a multiple of {LANES} from {LANES} to 8192, got "
+                             f"{self.decode_channels!r}")
         for field in ("block_channels", "backward_block_channels"):
             value = getattr(self, field)
             if not is_int(value) or value % LANES or not LANES <= value <= _MAX_CHANNELS:
@@ -77,3 +94,13 @@ class Config:
         positions = min(round_up(positions, halo), round_up(max(length, 1), halo))
         channels = self.backward_block_channels if backward else self.block_channels
         return positions, (dim if dim <= channels else channels)
+
+    def decode_blocks(self, batch: int, dim: int) -> tuple[int, int]:
+        """``(rows, channels)`` of a decode grid step: all rows of a batch no larger than
+        ``decode_rows``; the largest multiple of 128 up to ``decode_channels`` that divides
+        ``dim`` (its DMAs take whole blocks), or all of ``dim``."""
+        rows = batch if batch <= self.decode_rows else self.decode_rows
+        if dim <= self.decode_channels:
+            return rows, dim
+        fits = [c for c in range(LANES, self.decode_channels + 1, LANES) if dim % c == 0]
+        return rows, (fits[-1] if fits else dim)
