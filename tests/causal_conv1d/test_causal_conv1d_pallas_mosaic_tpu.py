@@ -153,3 +153,25 @@ def test_a_decode_step_lowered_for_tpu_is_one_kernel_on_the_donated_pool():
         assert op not in text, op
     cpu = step.trace(x, pool, w, b, idx).lower(lowering_platforms=("cpu",)).as_text()
     assert "tpu_custom_call" not in cpu and "stablehlo.scatter" in cpu
+
+
+def test_a_serving_step_of_one_token_a_request_lowers_for_tpu_to_the_decode_kernel():
+    """``causal_conv1d_step`` with as many tokens as requests (a decode step's shape),
+    ``implementation=None``, lowered for a TPU: the decode kernel behind a runtime branch on
+    ``query_start_loc`` (one token each), the composition in the other branch; for CPU, no
+    Mosaic kernel."""
+    from maskconv_kernels import causal_conv1d_step
+
+    rows, dim = 64, 2048
+    x, pool = jax.ShapeDtypeStruct((rows, dim), jnp.bfloat16), jax.ShapeDtypeStruct((2 * rows, 3, dim), jnp.float32)
+    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
+    qsl, idx = jax.ShapeDtypeStruct((rows + 1,), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32)
+    step = jax.jit(lambda x, pool, w, b, qsl, idx: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu"), donate_argnums=1)
+    text = step.trace(x, pool, w, b, qsl, idx).lower(lowering_platforms=("tpu",)).as_text()
+    assert f'kernel_name = "{DECODE_KERNEL}"' in text
+    assert "stablehlo.case" in text or "stablehlo.if" in text
+    assert "tf.aliasing_output = 1" in text
+    cpu = step.trace(x, pool, w, b, qsl, idx).lower(lowering_platforms=("cpu",)).as_text()
+    assert "tpu_custom_call" not in cpu
+

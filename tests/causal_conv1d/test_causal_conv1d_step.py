@@ -110,6 +110,45 @@ def test_every_request_equals_causal_conv1d_on_its_whole_sequence(width, dilatio
     assert np.isnan(np.asarray(np.asarray(pool)[[1, 3, 5]], np.float64)).all(), "slots nobody named are untouched"
 
 
+# The TPU's decode kernel, named (interpreted off a TPU): a step of R tokens for R requests
+# runs it when each request has one token, and the composition otherwise.
+TPU_KERNEL = dict(implementation="pallas_mosaic_tpu", interpret=jax.default_backend() != "tpu")
+DECODE_ONLY = [{0: 1, 1: 1, 2: 1}, {0: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {1: 1}, {0: 1, 1: 1, 2: 1}]
+
+
+@pytest.mark.parametrize("x_dtype, pool_dtype", [(F32, F32), (BF16, F32)], ids=["f32", "bf16_f32pool"])
+def test_decode_steps_on_the_tpu_kernel_equal_causal_conv1d(x_dtype, pool_dtype):
+    """Steps of one token a request (T = R = 4, pad rows with NaN tokens among them) from NaN
+    slots: each request's outputs are causal_conv1d's on its whole sequence within rounding,
+    its slot its last inputs bit for bit, and no other slot is touched."""
+    lengths = (4, 4, 4)
+    seqs = [np.asarray(random(30 + r, (n, D), x_dtype)) for r, n in enumerate(lengths)]
+    w, b = random(5, (4, D), F32, scale=0.5), random(6, (D,), F32, scale=0.5)
+    pool = jnp.full((6, 3, D), jnp.nan, pool_dtype)
+    slots = {0: 5, 1: 0, 2: 3}
+    outs, pool = _run(seqs, DECODE_ONLY, w, b, pool=pool, slots=slots, tokens=4, requests=4, activation="silu",
+                      **TPU_KERNEL)
+    for r, seq in enumerate(seqs):
+        full = causal_conv1d(jnp.asarray(seq)[None], w, b, activation="silu")[0]
+        assert_close(outs[r], full, x_dtype, 4, float(np.abs(seq.astype(np.float64)).max() * 2 + 1))
+        padded = np.concatenate([np.zeros((3, D)), np.asarray(seq, np.float64)])
+        np.testing.assert_array_equal(np.asarray(np.asarray(pool)[slots[r]], np.float64), padded[-3:])
+    assert np.isnan(np.asarray(np.asarray(pool)[[1, 2, 4]], np.float64)).all(), "slots nobody named are untouched"
+
+
+def test_a_step_of_r_tokens_that_is_not_one_each_takes_the_composition():
+    """T = R, but one request has two tokens and one none: the kernel's path is not taken (a
+    runtime branch), and the step equals the composition's."""
+    x, w, b = random(0, (4, D)), random(1, (4, D), scale=0.5), random(2, (D,))
+    pool = random(3, (5, 3, D))
+    kw = dict(query_start_loc=jnp.array([0, 2, 3, 4, 4]), state_indices=jnp.array([4, 0, PAD_SLOT_ID, 2]),
+              activation="silu")
+    y, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
+    ry, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
+    assert_close(y, ry, F32, 4, 4.0)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+
+
 def test_nan_in_other_requests_pad_rows_and_slots_reaches_no_output_or_state():
     seqs = [np.asarray(random(20 + r, (n, D), F32)) for r, n in enumerate(LENGTHS)]
     w, b = random(3, (4, D), F32), random(4, (D,), F32)

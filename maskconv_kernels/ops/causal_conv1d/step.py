@@ -17,13 +17,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from ..._core.args import as_operand, as_segment_ids
 from ..._core.errors import OpError
 from ..._core.history import check_dtype
 from .api import causal_conv1d
-from .checks import check_activation, check_operands
-from .update import PAD_SLOT_ID, check_row_values, check_state_indices, read_slots, write_slots
+from .checks import check_activation, check_operands, problem_of
+from .update import (
+    PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, one_launch, read_slots, write_slots,
+)
 
 __all__ = ["causal_conv1d_step"]
 
@@ -67,7 +70,12 @@ def causal_conv1d_step(
     stops), within the dtype's rounding otherwise.
 
     Under ``jax.jit(..., donate_argnums=1)`` the pool is updated in place: one gather of
-    the requests' slots, one scatter of the new states (and block states).
+    the requests' slots, one scatter of the new states (and block states). On a TPU a
+    step of as many tokens as requests, without prefix caching, speculative decoding or
+    ``positions``, checks at run time whether each request has one token, and if so runs
+    as :func:`~.update.causal_conv1d_update`'s decode kernel (the pool aliased in HBM, a DMA
+    per slot; within rounding of the composition, not bit for bit); named with
+    ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``).
 
     Args:
       x: ``(T, D)``: the step's tokens, requests back to back, then padding up to ``T``
@@ -156,27 +164,61 @@ def causal_conv1d_step(
     within = jnp.arange(x.shape[0]) - jnp.take(qsl, owner)  # (T,): each token's index among its request's
     tree = None if parents is None else _check_parents(parents, owner, within, requests, blocks, starts)
 
-    rows = read_slots(pool, read)
-    if path is not None:
-        rows = _valid_history(rows, path, window)
-    if fresh is not None:
-        rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
-    rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
-    documents = None if starts is None else _documents(starts, qsl, owner)
     conv = dict(activation=activation, dilation=dilation, implementation=implementation, interpret=interpret)
-    before = rows[:, state_len - window:].astype(x.dtype)
-    if tree is None:
-        y = _outputs(x, before, weight, bias, qsl, owner, read, window, documents, **conv)
-    else:
-        y = _tree_outputs(x, before, weight, bias, owner, within, read, tree, window, **conv)
-    counts = qsl[1:] - qsl[:-1]
-    state = _state_after(rows, x, qsl, counts)
-    if starts is not None:
-        state = _from_last_start(state, starts, qsl, owner, within)
-    new_pool = write_slots(pool, write, state)
-    if blocks is not None:
-        new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
-    return y, new_pool
+
+    def composed(x, pool, weight, bias):
+        rows = read_slots(pool, read)
+        if path is not None:
+            rows = _valid_history(rows, path, window)
+        if fresh is not None:
+            rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
+        rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
+        documents = None if starts is None else _documents(starts, qsl, owner)
+        before = rows[:, state_len - window:].astype(x.dtype)
+        if tree is None:
+            y = _outputs(x, before, weight, bias, qsl, owner, read, window, documents, **conv)
+        else:
+            y = _tree_outputs(x, before, weight, bias, owner, within, read, tree, window, **conv)
+        counts = qsl[1:] - qsl[:-1]
+        state = _state_after(rows, x, qsl, counts)
+        if starts is not None:
+            state = _from_last_start(state, starts, qsl, owner, within)
+        new_pool = write_slots(pool, write, state)
+        if blocks is not None:
+            new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
+        return y, new_pool
+
+    problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
+    plain = tree is None and path is None and blocks is None and starts is None and x.shape[0] == requests
+    if plain and one_launch(problem, implementation, interpret):
+        return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation,
+                            interpret)
+    return composed(x, pool, weight, bias)
+
+
+def _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation, interpret):
+    """A step of one token a request (``T == R``; checked when it runs) as the TPU's decode
+    kernel (:func:`~.update.decode_launch`); any other step, and other platforms for
+    ``implementation=None``, as ``composed``."""
+    def kernel(x, pool, weight, bias):
+        y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, _per_row(composed),
+                                problem=problem, implementation="pallas_mosaic_tpu", interpret=interpret)
+        return y[:, 0], pool
+
+    def either(*args):  # qsl is data: a step of R tokens may still give one request two
+        return lax.cond(jnp.all(qsl[1:] - qsl[:-1] == 1), kernel, composed, *args)
+
+    if implementation is None:
+        return lax.platform_dependent(x, pool, weight, bias, tpu=either, default=composed)
+    return either(x, pool, weight, bias)
+
+
+def _per_row(step):
+    """``step(x (T, D), ...) -> (y, pool)`` as a function of ``x (T, 1, D)``, one token a row."""
+    def f(x, *rest):
+        y, pool = step(x[:, 0], *rest)
+        return y[:, None], pool
+    return f
 
 
 # --------------------------------------------------------------------------- the step

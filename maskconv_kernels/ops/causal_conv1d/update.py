@@ -27,7 +27,7 @@ from .state import final_state
 
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
-    "zero_padding_rows",
+    "zero_padding_rows", "one_launch", "decode_launch",
 ]
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
@@ -143,15 +143,15 @@ def causal_conv1d_update(
     # The arguments were checked above: the problem is built once, not checked again.
     problem = problem_of(xt, weight, bias, ids, conv_state, activation=activation, dilation=dilation)
     pieces = dict(problem=problem, implementation=implementation, interpret=interpret)
-    args = (xt, conv_state, weight, bias, indices, has_initial_state)
-    if cache_seqlens is None and ids is None and _one_launch(problem, implementation, interpret):
-        y, new_state = _launched(*args, **pieces)
+    if cache_seqlens is None and ids is None and one_launch(problem, implementation, interpret):
+        y, new_state = _launched(xt, conv_state, weight, bias, indices, has_initial_state, **pieces)
     else:
-        y, new_state = _composed(*args, ids=ids, cache_seqlens=cache_seqlens, **pieces)
+        y, new_state = _composed(xt, conv_state, weight, bias, indices=indices, has_initial_state=has_initial_state,
+                                 ids=ids, cache_seqlens=cache_seqlens, **pieces)
     return (y[:, 0] if one_token else y), new_state
 
 
-def _composed(x, conv_state, weight, bias, indices, has_initial_state, *, ids, cache_seqlens, problem, implementation,
+def _composed(x, conv_state, weight, bias, *, indices, has_initial_state, ids, cache_seqlens, problem, implementation,
               interpret):
     """``(y, new_state)`` composed of XLA ops around :func:`~.api.causal_conv1d`'s forward: a
     gather of the rows' slots, the forward on each row's window then tokens, a scatter."""
@@ -181,7 +181,7 @@ def _composed(x, conv_state, weight, bias, indices, has_initial_state, *, ids, c
     return zero_padding_rows(y, indices), write_slots(conv_state, indices, new_rows)
 
 
-def _one_launch(problem, implementation: str | None, interpret: bool) -> bool:
+def one_launch(problem, implementation: str | None, interpret: bool) -> bool:
     """Whether the decode step runs as the TPU's one-launch kernel: asked for by name
     (``"pallas_mosaic_tpu"``, checked as the forward would check it), or ``None`` without
     ``interpret`` (then on TPUs only, decided when lowered), for the problems it takes: up
@@ -197,32 +197,44 @@ def _one_launch(problem, implementation: str | None, interpret: bool) -> bool:
 def _launched(x, conv_state, weight, bias, indices, has_initial_state, *, problem, implementation, interpret):
     """``(y, new_state)`` from the decode kernel (on TPUs for ``implementation=None``, XLA's
     composition elsewhere), differentiable through the composition's derivatives."""
+    indices = jnp.arange(x.shape[0], dtype=jnp.int32) if indices is None else indices
+    composed = functools.partial(_composed, indices=indices, has_initial_state=has_initial_state, ids=None,
+                                 cache_seqlens=None, problem=problem, implementation="xla", interpret=False)
+    return decode_launch(x, conv_state, weight, bias, indices, indices, has_initial_state, composed, problem=problem,
+                         implementation=implementation, interpret=interpret)
+
+
+def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, fallback, *, problem, implementation,
+                  interpret):
+    """``(y (B, T, D), pool)`` from the TPU's decode kernel: row ``b`` reads slot ``reads[b]``
+    and writes slot ``writes[b]`` (``(B,)`` indices, :data:`PAD_SLOT_ID` for a pad row).
+
+    ``fallback(x, pool, weight, bias) -> (y, pool)`` computes the same in XLA ops: it runs
+    where the kernel does not (other platforms, for ``implementation=None``) and its
+    derivatives are the kernel's (a ``custom_vjp``). :func:`causal_conv1d_update` and
+    ``causal_conv1d_step``'s decode steps call it.
+    """
     batch = x.shape[0]
-    indices = jnp.arange(batch, dtype=jnp.int32) if indices is None else indices
     fresh = jnp.zeros((batch,), bool) if has_initial_state is None else jnp.logical_not(has_initial_state)
-    composed = functools.partial(_composed, ids=None, cache_seqlens=None, problem=problem, implementation="xla",
-                                 interpret=False)
 
     @jax.custom_vjp
-    def kernel(x, conv_state, weight, bias):
-        slots, inside = _in_pool(indices, conv_state.shape[0])
-        reads = jnp.where(indices == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
-        writes = jnp.where(inside, slots, -1)
-        return tpu.update(x, conv_state, weight, bias, reads.astype(jnp.int32), writes.astype(jnp.int32),
-                          problem=problem, interpret=interpret)
+    def kernel(x, pool, weight, bias):
+        slots, inside = _in_pool(reads, pool.shape[0])
+        codes = jnp.where(reads == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
+        targets, writable = _in_pool(writes, pool.shape[0])
+        return tpu.update(x, pool, weight, bias, codes.astype(jnp.int32),
+                          jnp.where(writable, targets, -1).astype(jnp.int32), problem=problem, interpret=interpret)
 
-    def kernel_fwd(x, conv_state, weight, bias):
-        return kernel(x, conv_state, weight, bias), (x, conv_state, weight, bias)
+    def kernel_fwd(*args):
+        return kernel(*args), args
 
-    def kernel_bwd(residuals, cotangents):
-        _, vjp = jax.vjp(lambda *a: composed(*a, indices, ~fresh), *residuals)
-        return vjp(cotangents)
+    def kernel_bwd(args, cotangents):
+        return jax.vjp(fallback, *args)[1](cotangents)
 
     kernel.defvjp(kernel_fwd, kernel_bwd)
-    if implementation is None:  # the kernel where lowered for a TPU, the composition elsewhere
-        return lax.platform_dependent(x, conv_state, weight, bias, tpu=kernel,
-                                      default=lambda *a: composed(*a, indices, ~fresh))
-    return kernel(x, conv_state, weight, bias)
+    if implementation is None:  # the kernel where lowered for a TPU, the fallback elsewhere
+        return lax.platform_dependent(x, pool, weight, bias, tpu=kernel, default=fallback)
+    return kernel(x, pool, weight, bias)
 
 
 # The pool's slots are read and written along its first axis only, so these serve any
