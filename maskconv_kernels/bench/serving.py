@@ -12,7 +12,8 @@ tokens, width 4, SiLU, as hybrid models serve their short convolutions). Three k
   of a request written to a slot of its own), to set beside ``mixed`` (caching off).
 
 Timed in one process with samples interleaved (:mod:`.timing`), not donated (each
-timed call reuses its inputs):
+timed call reuses its inputs; ``--steps-per-call N`` runs N steps a call in a loop that
+carries the pool in place instead, and gives the time per step):
 
 * ``causal_conv1d_step``: this library, ``implementation=None``;
 * ``gather+lax.conv+scatter`` (``decode`` and ``mixed``): the code users write today:
@@ -203,7 +204,22 @@ def _written(s: Step, pool) -> jax.Array:
     return pool[s.state_indices]
 
 
-def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta: dict, bandwidth: float) -> list[dict]:
+def in_place(f, steps: int):
+    """``f(step) -> (y, pool)`` run ``steps`` times in one ``lax.fori_loop`` that carries the
+    pool, as a server's loop does with a donated pool: the pool is updated in place (XLA
+    copies it once, into the loop), so an implementation that aliases the pool is not
+    charged a copy of it per step. The step's other arrays are the same each time."""
+    def g(s: Step):
+        def body(_, carry):
+            return f(dataclasses.replace(s, pool=carry[1]))
+        return lax.fori_loop(0, steps, body, (jnp.zeros(s.x.shape, s.x.dtype), s.pool))
+    return g
+
+
+def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta: dict, bandwidth: float,
+             steps_per_call: int = 1) -> list[dict]:
+    """One cell's rows. ``steps_per_call > 1``: each timed call runs that many steps
+    (:func:`in_place`), and the times are per step; the checks run one step."""
     dtype = DTYPES[dtype_name]
     step = make_step(shape, kind, dtype)
     found = {OURS: ours(shape, kind)}
@@ -212,8 +228,8 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
     base = {"shape": shape.name, **dataclasses.asdict(shape), "kind": kind, "tokens": int(step.x.shape[0]),
             "dtype": dtype_name, "state_dtype": str(step.pool.dtype), "weight_dtype": "float32",
             "ideal_bytes": ideal_bytes(shape, kind, dtype, step.pool.dtype), "bandwidth_bytes_per_s": bandwidth,
-            **meta}
-    rows, compiled = {}, {}
+            "steps_per_call": steps_per_call, **meta}
+    rows, compiled, timed = {}, {}, {}
     for name, f in found.items():
         row = dict(base, implementation=name)
         try:
@@ -221,12 +237,15 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
             compiled[name] = jax.jit(f).lower(step).compile()
             row["compile_s"] = time.perf_counter() - t
             row.update(memory(compiled[name]))
+            timed[name] = (compiled[name] if steps_per_call == 1
+                           else jax.jit(in_place(f, steps_per_call)).lower(step).compile())
         except Exception as e:  # report it and carry on with the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         rows[name] = row
-    times = time_interleaved(compiled, [(step,)], preset)
+    times = time_interleaved(timed, [(step,)], preset)
     roofline = base["ideal_bytes"] / bandwidth
     for name, ts in times.items():
+        ts = [t / steps_per_call for t in ts]
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
     if BASELINE in times and OURS in times:
@@ -299,6 +318,10 @@ def add_arguments(parser) -> None:
     add_grid_arguments(parser, PRESETS, "cpu: 64 and 256 requests, D=2048, bfloat16 tokens, float32 states; gpu: "
                        "also D=8192; quick: one tiny float32 step", "a substring of shape names (R<rows>_D<dim>_W<width>)",
                        KINDS)
+    parser.add_argument("--steps-per-call", type=int, default=1,
+                        help="time this many steps per call in a loop carrying the pool (in place, as a donated "
+                             "server loop; default 1: one step a call, the pool copied when an implementation "
+                             "aliases it)")
 
 
 def run(args) -> int:
@@ -312,7 +335,8 @@ def run(args) -> int:
     bandwidth, measured = roofline_bandwidth(platform_name, preset)
     meta = {**meta, "measured_bandwidth_bytes_per_s": measured}
     grid = [(s, d, k) for s in shapes for d in preset.dtypes for k in preset.modes]
-    rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth), out, args.time_budget,
+    steps = max(1, getattr(args, "steps_per_call", 1))
+    rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth, steps), out, args.time_budget,
                     f"{meta['device']} (preset {name})")
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1

@@ -1,6 +1,7 @@
 """The serving benchmark (maskconv_kernels.bench serving): its baseline computes the step, its rows carry their metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -55,3 +56,28 @@ def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
     # The committed format renders back through the command line, as this mode's.
     assert main(["render", str(tmp_path / "q.jsonl"), "--out", str(tmp_path / "again"), "--no-chart"]) == 0
     assert "| R8_D16_W4 | decode |" in (tmp_path / "again" / "q.md").read_text()
+
+
+def test_steps_per_call_times_steps_in_place_and_checks_one(tmp_path):
+    """``--steps-per-call``: each call runs the steps in a loop carrying the pool; the rows say so,
+    and their checks (one step) hold as in a run of one step a call."""
+    assert main(["serving", "--preset", "quick", "--modes", "decode", "--no-chart", "--out", str(tmp_path),
+                 "--name", "q", "--steps-per-call", "3"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    assert {r["implementation"] for r in rows} == {serving.OURS, serving.BASELINE}
+    for r in rows:
+        assert r["steps_per_call"] == 3 and r["nan_isolated"] and r["median_s"] > 0
+
+
+def test_in_place_runs_the_steps_one_after_another():
+    """Three steps of one token a request: the loop's pool is the pool after three single steps."""
+    _, (shape,) = serving.PRESETS["quick"]
+    step = serving.make_step(shape, "decode", np.float32)
+    f = serving.ours(shape, "decode")
+    pool = step.pool
+    for _ in range(3):
+        y, pool = jax.jit(f)(dataclasses.replace(step, pool=pool))
+    y3, pool3 = jax.jit(serving.in_place(f, 3))(step)
+    np.testing.assert_array_equal(np.asarray(pool3), np.asarray(pool))
+    np.testing.assert_array_equal(np.asarray(y3), np.asarray(y))
+
