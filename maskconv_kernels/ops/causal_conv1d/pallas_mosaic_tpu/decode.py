@@ -172,40 +172,49 @@ def update(x, pool, w, bias, reads, writes, *, s: DecodeStatic, interpret: bool)
     ``x [B, T, D]``; ``pool [slots, S, D]``; ``w [W, D]`` and ``bias [1, D]`` (or ``None``)
     float32; ``reads``, ``writes`` ``[B]`` int32 codes (the module docstring).
     """
-    batch, tokens, dim = x.shape
-    blocks = cdiv(batch, s.rows)
+    blocks = cdiv(x.shape[0], s.rows)
     padded = blocks * s.rows
-    reads = jnp.pad(reads, (0, padded - batch), constant_values=PAD)
-    writes = jnp.pad(writes, (0, padded - batch), constant_values=-1)
-    # A slot's rows in VMEM: whole 8-row tiles for a 32-bit pool (1.4x faster than S rows on a
+    reads = jnp.pad(reads, (0, padded - x.shape[0]), constant_values=PAD)
+    writes = jnp.pad(writes, (0, padded - x.shape[0]), constant_values=-1)
+    call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
+    operands = [x, w] + ([bias] if s.has_bias else []) + [pool]
+    y, pool = call(reads, writes, *operands)
+    return y, pool
+
+
+@functools.lru_cache(maxsize=64)
+def _call(s: DecodeStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype, interpret: bool):
+    """The ``pallas_call`` for these shapes, built once: a ``causal_conv1d_update`` traced
+    again (a new jit, another platform's branch) reuses its kernel's trace."""
+    batch, tokens, dim = x_shape
+    blocks = cdiv(batch, s.rows)
+    # A slot's rows in VMEM: whole 8-row tiles for a 32-bit pool (faster at D = 2048 on a
     # TPU v5e); S for a 16-bit one (Mosaic slices its packed tiles in whole tiles only).
-    slab = round_up(s.state_len, 8) if jnp.dtype(pool.dtype).itemsize == 4 else s.state_len
+    slab = round_up(s.state_len, 8) if pool_dtype.itemsize == 4 else s.state_len
     grid = (dim // s.channels, blocks)
     tile = pl.BlockSpec((s.rows, tokens, s.channels), lambda c, r, *_: (r, 0, c))
     shared = lambda height: pl.BlockSpec((height, s.channels), lambda c, r, *_: (0, c))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [tile, shared(s.width)] + ([shared(1)] if s.has_bias else []) + [hbm]
-    operands = [x, w] + ([bias] if s.has_bias else []) + [pool]
-    y, pool = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_kernel, s=s, blocks=blocks, steps=grid[0] * grid[1], dim=dim),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(x_shape, x_dtype), jax.ShapeDtypeStruct(pool_shape, pool_dtype)],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=grid,
             in_specs=in_specs,
             out_specs=[tile, hbm],
             scratch_shapes=[
-                pltpu.VMEM((2, s.rows, slab, s.channels), pool.dtype),
-                pltpu.VMEM((2, s.rows, slab, s.channels), pool.dtype),
+                pltpu.VMEM((2, s.rows, slab, s.channels), pool_dtype),
+                pltpu.VMEM((2, s.rows, slab, s.channels), pool_dtype),
                 pltpu.VMEM((s.rows, round_up(s.state_len + tokens, 8), s.channels), jnp.float32),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
-        input_output_aliases={2 + len(operands) - 1: 1},
+        input_output_aliases={2 + len(in_specs) - 1: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
                                              vmem_limit_bytes=VMEM_LIMIT_BYTES),
         interpret=interpret,
         name=DECODE_KERNEL,
-    )(reads, writes, *operands)
-    return y, pool
+    )
