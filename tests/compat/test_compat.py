@@ -275,6 +275,21 @@ def test_update_under_jit_with_traced_indices_and_donation():
     np.testing.assert_array_equal(np.asarray(new_pool, np.float64), expected_pool)
 
 
+def test_update_gradients_are_finite_with_a_pad_row():
+    """A pad row (index -1) reads zeros, not NaN: its outputs are zeroed, so its zero cotangents
+    reach the weight, the bias and x as zeros (with NaN there every gradient was NaN)."""
+    x, weight, bias = random(32, (3, 5, 2)), random(33, (5, 4)), random(34, (5,))
+    pool, indices = random(35, (6, 5, 3)), jnp.array([5, -1, 0], jnp.int32)
+
+    def loss(x, weight, bias):
+        out, _ = compat.causal_conv1d_update(x, pool, weight, bias, "silu", None, indices)
+        return (out ** 2).sum()
+
+    for grad in jax.grad(loss, argnums=(0, 1, 2))(x, weight, bias):
+        assert np.isfinite(np.asarray(grad)).all()
+    assert not np.asarray(jax.grad(loss)(x, weight, bias))[1].any()  # the pad row's inputs get no gradient
+
+
 def test_ported_decode_loop_continues_the_prefill():
     """Mamba's serving loop as written for causal-conv1d: prefill returns the final states, the
     update takes them as conv_state and returns the next one; the outputs are the full pass's."""

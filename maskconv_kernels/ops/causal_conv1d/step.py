@@ -172,7 +172,6 @@ def causal_conv1d_step(
             rows = _valid_history(rows, path, window)
         if fresh is not None:
             rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
-        rows = jnp.where((read == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)  # never read
         documents = None if starts is None else _documents(starts, qsl, owner)
         before = rows[:, state_len - window:].astype(x.dtype)
         if tree is None:

@@ -157,8 +157,6 @@ def _composed(x, conv_state, weight, bias, *, indices, has_initial_state, ids, c
     gather of the rows' slots, the forward on each row's window then tokens, a scatter."""
     state_len, window = conv_state.shape[1], problem.state_len
     rows = conv_state if indices is None else read_slots(conv_state, indices)
-    if indices is not None:  # a pad row reads zeros, not read_slots' NaN: its zeroed outputs' gradients stay 0
-        rows = jnp.where((indices == PAD_SLOT_ID)[:, None, None], jnp.zeros((), rows.dtype), rows)
     if has_initial_state is not None:
         rows = jnp.where(has_initial_state[:, None, None], rows, jnp.zeros((), rows.dtype))
     if ids is not None and x.shape[1]:
@@ -242,17 +240,21 @@ def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, fallb
 
 
 def read_slots(conv_state: jax.Array, indices: jax.Array) -> jax.Array:
-    """Row ``b``'s slot ``conv_state[indices[b]]``, NaN for an index outside ``[0, S)``.
+    """Row ``b``'s slot ``conv_state[indices[b]]``: zeros for a pad row (:data:`PAD_SLOT_ID`),
+    NaN for any other index outside ``[0, S)``.
 
     ``conv_state: (S, *slot)``, ``indices: (B,)`` signed integers (checked by
     :func:`check_state_indices`); returns ``(B, *slot)``. NaN, not a clipped slot, so a
-    traced index out of range shows in the outputs instead of reading another row's state.
+    traced index out of range shows in the outputs instead of reading another row's state;
+    zeros for a pad row, whose outputs are zeroed, so that their zero cotangents times its
+    inputs stay zero (NaN there made every gradient NaN).
     """
     slots = conv_state.shape[0]
     indices, inside = _in_pool(indices, slots)
     rows = jnp.take(conv_state, jnp.clip(indices, 0, slots - 1), axis=0)
-    inside = inside.reshape(inside.shape + (1,) * (rows.ndim - 1))
-    return jnp.where(inside, rows, jnp.full((), jnp.nan, rows.dtype))
+    shape = inside.shape + (1,) * (rows.ndim - 1)
+    fill = jnp.where(indices == PAD_SLOT_ID, 0.0, jnp.nan).astype(rows.dtype).reshape(shape)
+    return jnp.where(inside.reshape(shape), rows, fill)
 
 
 def write_slots(conv_state: jax.Array, indices: jax.Array, new_rows: jax.Array) -> jax.Array:
