@@ -5,8 +5,12 @@ jaxlib 0.12.1's CPU code generator aborted the process on a bfloat16 fusion of o
 caller's layout transpose fused with a box's slice; the design notes' CPU compiler abort).
 The project's suites passed on it: they compile at LLVM's -O0 in xdist's workers
 (tests/conftest.py), where the abort does not happen. The child compiles at XLA's default,
-as users do. The grid is :mod:`support.compile_grid`'s; ``.ci/run`` runs the whole of it
-on the oldest and the newest jax; the README's command runs the regressions only.
+as users do. The grid is :mod:`support.compile_grid`'s, in :data:`PARTS` parts (a child
+each, so xdist's workers share them); ``.ci/run`` runs the whole of it on the newest jax,
+by halves on the newest jax, whose compiler aborted, and by quarters on the oldest
+(``MASKCONV_GRID_PART``: the slow tier's quarter ``k`` chooses parts ``k`` and ``k + 2``,
+then ``k``), so two consecutive commits compile all of it on the newest and four on the
+oldest; the README's command runs the regressions only.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ STRATEGIES = ("auto", "conv", "matmul", "gemm", "conv_blocks")
 # The grid's: "auto" on CPU is "conv" at its channel counts (test_auto_is_conv_on_the_grid).
 GRID_STRATEGIES = ("conv", "matmul", "gemm", "conv_blocks")
 DTYPES = ("bfloat16", "float16")
+# The grid's parts: part k is the problems whose index is k modulo PARTS.
+PARTS = 4
 
 
 def _child_env() -> dict:
@@ -64,10 +70,16 @@ def test_regressions_compile_and_match_lax(dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("part", range(PARTS))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compile_grid(dtype):
-    """The grid under every strategy, one child per dtype (the reference computed once per problem)."""
-    run_child([GRID, "--strategies", ",".join(GRID_STRATEGIES), dtype])
+def test_compile_grid(dtype, part):
+    """A part of the grid under every strategy, one child per dtype and part (the reference
+    computed once per problem). ``MASKCONV_GRID_PART=k,...``: only those parts run."""
+    only = os.environ.get("MASKCONV_GRID_PART") or None
+    if only is not None and part not in {int(k) % PARTS for k in only.split(",")}:
+        pytest.skip(f"MASKCONV_GRID_PART={only}: not part {part} of the grid")
+    indices = [str(p["index"]) for p in compile_grid.problems() if p["index"] % PARTS == part]
+    run_child([GRID, "--strategies", ",".join(GRID_STRATEGIES), dtype, *indices])
 
 
 def test_auto_is_conv_on_the_grid():
