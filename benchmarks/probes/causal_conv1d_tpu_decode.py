@@ -15,6 +15,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from jax import lax
 from maskconv_kernels.bench.machine import metadata
+from maskconv_kernels.ops.causal_conv1d.checks import problem_of
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import decode as dk
 
 SMALL = "--small" in sys.argv
@@ -44,8 +45,8 @@ def xla_step(x, pool, w, b, idx):
 
 def kernel_step(rows, channels):
     def f(x, pool, w, b, idx):
-        s = dk.DecodeStatic(width=W, dilation=1, tokens=1, state_len=S, rows=rows, channels=channels,
-                            has_bias=True, silu=True)
+        problem = problem_of(x[:, None], w, b, None, None, activation="silu", dilation=1)
+        s = dk.DecodeStatic(problem=problem, state_len=S, rows=rows, channels=channels)
         y, pool = dk.update(x[:, None], pool, w, b[None], idx, idx, s=s, interpret=INTERP)
         return y[:, 0], pool
     return f

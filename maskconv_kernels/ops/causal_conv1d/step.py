@@ -200,8 +200,8 @@ def _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, probl
     kernel (:func:`~.update.decode_launch`); any other step, and other platforms for
     ``implementation=None``, as ``composed``."""
     def kernel(x, pool, weight, bias):
-        y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, _per_row(composed),
-                                problem=problem, implementation="pallas_mosaic_tpu", interpret=interpret)
+        y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, problem=problem,
+                                implementation=implementation, interpret=interpret)
         return y[:, 0], pool
 
     def either(*args):  # qsl is data: a step of R tokens may still give one request two
@@ -210,14 +210,6 @@ def _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, probl
     if implementation is None:
         return lax.platform_dependent(x, pool, weight, bias, tpu=either, default=composed)
     return either(x, pool, weight, bias)
-
-
-def _per_row(step):
-    """``step(x (T, D), ...) -> (y, pool)`` as a function of ``x (T, 1, D)``, one token a row."""
-    def f(x, *rest):
-        y, pool = step(x[:, 0], *rest)
-        return y[:, None], pool
-    return f
 
 
 # --------------------------------------------------------------------------- the step

@@ -20,6 +20,7 @@ from .backends import REGISTRY
 from ..._core.args import as_operand
 from ..._core.errors import OpError
 from ..._core.history import History, Ring, check_dtype
+from ..._core.primitives import bind, def_abstract_eval, def_batching, kernel_rule, primitive, register_lowering
 from .checks import check_activation, check_operands, ids_of, problem_of, unread_before_a_start
 from . import pallas_mosaic_tpu as tpu
 from .pallas_mosaic_tpu.config import NAN, PAD, ZEROS
@@ -27,7 +28,7 @@ from .state import final_state
 
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
-    "zero_padding_rows", "one_launch", "decode_launch",
+    "zero_padding_rows", "one_launch", "decode_launch", "DECODE",
 ]
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
@@ -152,9 +153,13 @@ def causal_conv1d_update(
 
 
 def _composed(x, conv_state, weight, bias, *, indices, has_initial_state, ids, cache_seqlens, problem, implementation,
-              interpret):
+              interpret, writes=None):
     """``(y, new_state)`` composed of XLA ops around :func:`~.api.causal_conv1d`'s forward: a
-    gather of the rows' slots, the forward on each row's window then tokens, a scatter."""
+    gather of the rows' slots, the forward on each row's window then tokens, a scatter.
+
+    ``indices``: each row's slot (``None``: row ``b``'s is slot ``b``); ``writes``: the
+    slots written, where they differ from those read (the serving step's ``write_indices``).
+    """
     state_len, window = conv_state.shape[1], problem.state_len
     rows = conv_state if indices is None else read_slots(conv_state, indices)
     if has_initial_state is not None:
@@ -176,7 +181,7 @@ def _composed(x, conv_state, weight, bias, *, indices, has_initial_state, ids, c
                 config=None)
     if indices is None:
         return y, new_rows
-    return zero_padding_rows(y, indices), write_slots(conv_state, indices, new_rows)
+    return zero_padding_rows(y, indices), write_slots(conv_state, indices if writes is None else writes, new_rows)
 
 
 def one_launch(problem, implementation: str | None, interpret: bool) -> bool:
@@ -196,43 +201,77 @@ def _launched(x, conv_state, weight, bias, indices, has_initial_state, *, proble
     """``(y, new_state)`` from the decode kernel (on TPUs for ``implementation=None``, XLA's
     composition elsewhere), differentiable through the composition's derivatives."""
     indices = jnp.arange(x.shape[0], dtype=jnp.int32) if indices is None else indices
-    composed = functools.partial(_composed, indices=indices, has_initial_state=has_initial_state, ids=None,
-                                 cache_seqlens=None, problem=problem, implementation="xla", interpret=False)
-    return decode_launch(x, conv_state, weight, bias, indices, indices, has_initial_state, composed, problem=problem,
+    return decode_launch(x, conv_state, weight, bias, indices, indices, has_initial_state, problem=problem,
                          implementation=implementation, interpret=interpret)
 
 
-def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, fallback, *, problem, implementation,
-                  interpret):
+def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, *, problem, implementation, interpret):
     """``(y (B, T, D), pool)`` from the TPU's decode kernel: row ``b`` reads slot ``reads[b]``
     and writes slot ``writes[b]`` (``(B,)`` indices, :data:`PAD_SLOT_ID` for a pad row).
 
-    ``fallback(x, pool, weight, bias) -> (y, pool)`` computes the same in XLA ops: it runs
-    where the kernel does not (other platforms, for ``implementation=None``) and its
-    derivatives are the kernel's (a ``custom_vjp``). :func:`causal_conv1d_update` and
-    ``causal_conv1d_step``'s decode steps call it.
+    One primitive (:data:`DECODE`), lowered per platform: for ``implementation=None`` the
+    kernel where lowered for a TPU and XLA's composition (:func:`_composed`) elsewhere, so
+    that no other platform traces the kernel; for ``"pallas_mosaic_tpu"`` the kernel
+    everywhere. Its derivatives are the composition's (a ``custom_vjp``).
+    :func:`causal_conv1d_update` and ``causal_conv1d_step``'s decode steps call it.
     """
-    batch = x.shape[0]
-    fresh = jnp.zeros((batch,), bool) if has_initial_state is None else jnp.logical_not(has_initial_state)
+    fresh = jnp.zeros(reads.shape, bool) if has_initial_state is None else jnp.logical_not(has_initial_state)
+    params = dict(problem=problem, implementation=implementation, interpret=bool(interpret))
 
     @jax.custom_vjp
-    def kernel(x, pool, weight, bias):
-        slots, inside = _in_pool(reads, pool.shape[0])
-        codes = jnp.where(reads == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
-        targets, writable = _in_pool(writes, pool.shape[0])
-        return tpu.update(x, pool, weight, bias, codes.astype(jnp.int32),
-                          jnp.where(writable, targets, -1).astype(jnp.int32), problem=problem, interpret=interpret)
+    def launch(x, pool, weight, bias):
+        operands = (x, pool, weight) + (() if bias is None else (bias,)) + (reads, writes, fresh)
+        return tuple(bind(DECODE, *operands, **params))
 
-    def kernel_fwd(*args):
-        return kernel(*args), args
+    def launch_fwd(*args):
+        return launch(*args), args
 
-    def kernel_bwd(args, cotangents):
-        return jax.vjp(fallback, *args)[1](cotangents)
+    def launch_bwd(args, cotangents):
+        return jax.vjp(lambda *a: _decoded(*a, reads, writes, fresh, problem=problem), *args)[1](cotangents)
 
-    kernel.defvjp(kernel_fwd, kernel_bwd)
-    if implementation is None:  # the kernel where lowered for a TPU, the fallback elsewhere
-        return lax.platform_dependent(x, pool, weight, bias, tpu=kernel, default=fallback)
-    return kernel(x, pool, weight, bias)
+    launch.defvjp(launch_fwd, launch_bwd)
+    return launch(x, pool, weight, bias)
+
+
+def _decoded(x, pool, weight, bias, reads, writes, fresh, *, problem):
+    """:func:`decode_launch`'s ``(y, pool)`` composed of XLA ops (:func:`_composed`)."""
+    return _composed(x, pool, weight, bias, indices=reads, writes=writes, has_initial_state=jnp.logical_not(fresh),
+                     ids=None, cache_seqlens=None, problem=problem, implementation="xla", interpret=False)
+
+
+def _decode_kernel(x, pool, weight, bias, reads, writes, fresh, *, problem, interpret):
+    """:func:`decode_launch`'s ``(y, pool)`` from the kernel: the rows' indices as its codes."""
+    slots, inside = _in_pool(reads, pool.shape[0])
+    codes = jnp.where(reads == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
+    targets, writable = _in_pool(writes, pool.shape[0])
+    return tpu.update(x, pool, weight, bias, codes.astype(jnp.int32), jnp.where(writable, targets, -1).astype(jnp.int32),
+                      problem=problem, interpret=interpret)
+
+
+def _unpacked(fn, *, problem, **params):
+    """``fn`` of :data:`DECODE`'s operands (the bias only where the problem has one)."""
+    def run(x, pool, weight, *rest):
+        bias, rest = (rest[0], rest[1:]) if problem.has_bias else (None, rest)
+        return list(fn(x, pool, weight, bias, *rest, problem=problem, **params))
+    return run
+
+
+def _decode_rule(platform: str, *, problem, implementation, interpret):
+    """:data:`DECODE`'s lowering for ``platform``: the kernel for a TPU (or by name), else the composition."""
+    if implementation == "pallas_mosaic_tpu" or platform == "tpu":
+        fn = _unpacked(_decode_kernel, problem=problem, interpret=interpret)
+    else:
+        fn = _unpacked(_decoded, problem=problem)
+    return kernel_rule(fn, multiple_results=True)
+
+
+# causal_conv1d_update's decode step: operands (x, pool, weight, [bias,] reads, writes, fresh),
+# results (y, pool); params problem, implementation (None or "pallas_mosaic_tpu"), interpret.
+DECODE = primitive("causal_conv1d_decode", multiple_results=True)
+def_abstract_eval(DECODE, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
+register_lowering(DECODE, _decode_rule)
+# A map over anything (the pool is read and written whole) maps the primitive.
+def_batching(DECODE, lambda n, **params: [False] * n, foldable=False)
 
 
 # The pool's slots are read and written along its first axis only, so these serve any

@@ -98,11 +98,9 @@ def update(x, pool, weight, bias, reads, writes, *, problem: Problem, config: Co
     from . import decode
 
     config = config if config is not None else Config()
-    batch, tokens, dim = x.shape
+    batch, _, dim = x.shape
     rows, channels = config.decode_blocks(batch, dim)
-    s = decode.DecodeStatic(width=problem.width, dilation=problem.dilation, tokens=tokens,
-                            state_len=pool.shape[1], rows=rows, channels=channels, has_bias=problem.has_bias,
-                            silu=problem.silu)
+    s = decode.DecodeStatic(problem=problem, state_len=pool.shape[1], rows=rows, channels=channels)
     b = bias.astype(jnp.float32)[None] if bias is not None else None
     return decode.update(x, pool, weight.astype(jnp.float32), b, reads, writes, s=s, interpret=bool(interpret))
 

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv, round_up
+from ..checks import Problem
 from .config import DECODE_KERNEL, NAN, PAD, VMEM_LIMIT_BYTES, ZEROS
 from .kernels import sigmoid
 
@@ -52,25 +53,27 @@ __all__ = ["DecodeStatic", "update"]
 
 @dataclasses.dataclass(frozen=True)
 class DecodeStatic:
-    """What the kernel is specialised on (hashable)."""
+    """What the kernel is specialised on but the arrays (hashable): the problem (``length``:
+    the new tokens a row, ``T``), the pool's slot length and the blocks."""
 
-    width: int
-    dilation: int
-    tokens: int  # T: new tokens per row
-    state_len: int  # S: inputs a slot holds, >= (width - 1) * dilation
+    problem: Problem
+    state_len: int  # S: inputs a slot holds, >= problem.state_len = (W - 1) * dilation
     rows: int  # rows of the batch per grid step
     channels: int  # channels per grid step: divides D
-    has_bias: bool
-    silu: bool
+
+    @property
+    def tokens(self) -> int:
+        return self.problem.length
 
     def back(self, t: int) -> int:
-        return (self.width - 1 - t) * self.dilation
+        """How far before an output its tap ``t`` reads."""
+        return self.problem.back(t)
 
 
 def _copies(pool_hbm, buf, sem, slots_ref, step, s: DecodeStatic, blocks: int, dim: int, to_pool: bool):
     """The DMAs of grid step ``step``'s rows, one per row whose code in ``slots_ref`` is a slot:
     ``(condition, descriptor)`` pairs. ``buf``: ``[rows, P, channels]``, a row's slot in the
-    first ``S`` rows of its ``[P, channels]`` slab (``P``: :func:`update`)."""
+    first ``S`` rows of its ``[P, channels]`` slab (``P``: :func:`_call`'s ``slab``)."""
     if s.channels == dim:  # one block of channels: a static slice (a dynamic one must be 128-aligned)
         cols = slice(None)
     else:
@@ -104,7 +107,7 @@ def _kernel(reads_ref, writes_ref, x_ref, w_ref, *refs, s: DecodeStatic, blocks:
     Every array op is on whole ``[rows, ., channels]`` slabs (a row per leading index), so
     the code has no loop over rows but the DMAs' and the fills'.
     """
-    if s.has_bias:
+    if s.problem.has_bias:
         bias_ref, *refs = refs
     pool_in, y_ref, pool_out, got, put, frame, sem_in, sem_out = refs
     step = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
@@ -139,12 +142,12 @@ def _kernel(reads_ref, writes_ref, x_ref, w_ref, *refs, s: DecodeStatic, blocks:
     frame[:, :sl] = got[k, :, :sl].astype(jnp.float32)
     frame[:, sl:sl + tokens] = x_ref[...].astype(jnp.float32)
     pre = jnp.zeros((s.rows, tokens, s.channels), jnp.float32)
-    if s.has_bias:
+    if s.problem.has_bias:
         pre = pre + bias_ref[...]
-    for tap in range(s.width):
+    for tap in range(s.problem.width):
         at = sl - s.back(tap)
         pre = pre + w_ref[tap:tap + 1, :] * frame[:, at:at + tokens]
-    y = pre * sigmoid(pre) if s.silu else pre
+    y = pre * sigmoid(pre) if s.problem.silu else pre
     y_ref[...] = y.astype(y_ref.dtype)
     put[k, :, :sl] = frame[:, tokens:tokens + sl].astype(put.dtype)
     for b in range(s.rows):  # a pad row's outputs are zeros
@@ -177,15 +180,15 @@ def update(x, pool, w, bias, reads, writes, *, s: DecodeStatic, interpret: bool)
     reads = jnp.pad(reads, (0, padded - x.shape[0]), constant_values=PAD)
     writes = jnp.pad(writes, (0, padded - x.shape[0]), constant_values=-1)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
-    operands = [x, w] + ([bias] if s.has_bias else []) + [pool]
+    operands = [x, w] + ([bias] if s.problem.has_bias else []) + [pool]
     y, pool = call(reads, writes, *operands)
     return y, pool
 
 
 @functools.lru_cache(maxsize=64)
 def _call(s: DecodeStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype, interpret: bool):
-    """The ``pallas_call`` for these shapes, built once: a ``causal_conv1d_update`` traced
-    again (a new jit, another platform's branch) reuses its kernel's trace."""
+    """The ``pallas_call`` for these shapes, built once: a ``causal_conv1d_update`` lowered
+    again (a new jit, the serving step's branches) reuses its kernel's trace."""
     batch, tokens, dim = x_shape
     blocks = cdiv(batch, s.rows)
     # A slot's rows in VMEM: whole 8-row tiles for a 32-bit pool (faster at D = 2048 on a
@@ -195,7 +198,7 @@ def _call(s: DecodeStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtyp
     tile = pl.BlockSpec((s.rows, tokens, s.channels), lambda c, r, *_: (r, 0, c))
     shared = lambda height: pl.BlockSpec((height, s.channels), lambda c, r, *_: (0, c))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [tile, shared(s.width)] + ([shared(1)] if s.has_bias else []) + [hbm]
+    in_specs = [tile, shared(s.problem.width)] + ([shared(1)] if s.problem.has_bias else []) + [hbm]
     return pl.pallas_call(
         functools.partial(_kernel, s=s, blocks=blocks, steps=grid[0] * grid[1], dim=dim),
         out_shape=[jax.ShapeDtypeStruct(x_shape, x_dtype), jax.ShapeDtypeStruct(pool_shape, pool_dtype)],
