@@ -187,8 +187,10 @@ def causal_conv1d_step(
             new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
         return y, new_pool
 
-    problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
     plain = tree is None and path is None and blocks is None and starts is None and x.shape[0] == requests
+    problem = None
+    if plain:
+        problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
     if plain and one_launch(problem, implementation, interpret):
         return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation,
                             interpret)

@@ -244,8 +244,8 @@ def _decode_kernel(x, pool, weight, bias, reads, writes, fresh, *, problem, inte
     slots, inside = _in_pool(reads, pool.shape[0])
     codes = jnp.where(reads == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
     targets, writable = _in_pool(writes, pool.shape[0])
-    return tpu.update(x, pool, weight, bias, codes.astype(jnp.int32), jnp.where(writable, targets, -1).astype(jnp.int32),
-                      problem=problem, interpret=interpret)
+    targets = jnp.where(writable, targets, -1).astype(jnp.int32)
+    return tpu.update(x, pool, weight, bias, codes.astype(jnp.int32), targets, problem=problem, interpret=interpret)
 
 
 def _unpacked(fn, *, problem, **params):
