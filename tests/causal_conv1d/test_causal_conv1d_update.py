@@ -388,3 +388,15 @@ def test_traced_indices_out_of_range_write_nothing_and_give_nan():
     assert_close(y[2:3], ry, F32, 4, 4.0)
     assert not np.asarray(y[3]).any()
     np.testing.assert_array_equal(np.asarray(new, np.float64), rnew)  # slot 2 written, no other
+
+
+def test_a_pool_of_empty_slots_runs_without_the_decode_kernel():
+    """Width 1 with ``state_len = 0``: nothing to move, so the kernel named runs the composition
+    (the decode kernel's DMAs of empty slabs failed; found by the fuzz's slow tier)."""
+    x, weight = random(0, (2, 3, 8)), random(1, (1, 8))
+    pool = jnp.zeros((3, 0, 8), jnp.float32)
+    indices = jnp.array([2, 0], jnp.int32)
+    got = causal_conv1d_update(x, pool, weight, activation="silu", state_indices=indices, **TPU_KERNEL)
+    want = causal_conv1d_update(x, pool, weight, activation="silu", state_indices=indices, implementation="xla")
+    assert got[1].shape == pool.shape
+    assert_close(got[0], want[0], np.float32, 1, 4.0)

@@ -191,7 +191,7 @@ def causal_conv1d_step(
     problem = None
     if plain:
         problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
-    if plain and one_launch(problem, implementation, interpret):
+    if plain and one_launch(problem, implementation, interpret, state_len):
         return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation,
                             interpret)
     return composed(x, pool, weight, bias)

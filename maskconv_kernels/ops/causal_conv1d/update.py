@@ -144,7 +144,7 @@ def causal_conv1d_update(
     # The arguments were checked above: the problem is built once, not checked again.
     problem = problem_of(xt, weight, bias, ids, conv_state, activation=activation, dilation=dilation)
     pieces = dict(problem=problem, implementation=implementation, interpret=interpret)
-    if cache_seqlens is None and ids is None and one_launch(problem, implementation, interpret):
+    if cache_seqlens is None and ids is None and one_launch(problem, implementation, interpret, state_len):
         y, new_state = _launched(xt, conv_state, weight, bias, indices, has_initial_state, **pieces)
     else:
         y, new_state = _composed(xt, conv_state, weight, bias, indices=indices, has_initial_state=has_initial_state,
@@ -184,12 +184,14 @@ def _composed(x, conv_state, weight, bias, *, indices, has_initial_state, ids, c
     return zero_padding_rows(y, indices), write_slots(conv_state, indices if writes is None else writes, new_rows)
 
 
-def one_launch(problem, implementation: str | None, interpret: bool) -> bool:
+def one_launch(problem, implementation: str | None, interpret: bool, state_len: int) -> bool:
     """Whether the decode step runs as the TPU's one-launch kernel: asked for by name
     (``"pallas_mosaic_tpu"``, checked as the forward would check it), or ``None`` without
     ``interpret`` (then on TPUs only, decided when lowered), for the problems it takes: up
-    to :data:`~.pallas_mosaic_tpu.MAX_DECODE_TOKENS` tokens a row."""
-    if not 0 < problem.length <= tpu.MAX_DECODE_TOKENS:
+    to :data:`~.pallas_mosaic_tpu.MAX_DECODE_TOKENS` tokens a row, slots of ``state_len
+    >= 1`` inputs (a pool of empty slots, width 1, has nothing to move: the composition
+    runs it)."""
+    if not 0 < problem.length <= tpu.MAX_DECODE_TOKENS or state_len == 0:
         return False
     if implementation == "pallas_mosaic_tpu":
         REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
