@@ -6,8 +6,8 @@ caller's layout transpose fused with a box's slice; the design notes' CPU compil
 The project's suites passed on it: they compile at LLVM's -O0 in xdist's workers
 (tests/conftest.py), where the abort does not happen. The child compiles at XLA's default,
 as users do. The grid is :mod:`support.compile_grid`'s, in :data:`PARTS` parts (a child
-each, so xdist's workers share them); ``.ci/run`` runs the whole of it on the newest jax,
-by halves on the newest jax, whose compiler aborted, and by quarters on the oldest
+each, so xdist's workers share them); ``.ci/run`` runs it by halves on the newest jax,
+whose compiler aborted, and by quarters on the oldest
 (``MASKCONV_GRID_PART``: the slow tier's quarter ``k`` chooses parts ``k`` and ``k + 2``,
 then ``k``), so two consecutive commits compile all of it on the newest and four on the
 oldest; the README's command runs the regressions only.

@@ -188,12 +188,11 @@ def causal_conv1d_step(
         return y, new_pool
 
     plain = tree is None and path is None and blocks is None and starts is None and x.shape[0] == requests
-    problem = None
     if plain:
         problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
-    if plain and one_launch(problem, implementation, interpret, state_len):
-        return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation,
-                            interpret)
+        if one_launch(problem, implementation, interpret, state_len):
+            return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation,
+                                interpret)
     return composed(x, pool, weight, bias)
 
 

@@ -8,12 +8,9 @@ or on a TPU one decode kernel (:mod:`.pallas_mosaic_tpu.decode`).
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .api import forward
 from .backends import REGISTRY
