@@ -2,9 +2,9 @@
 
     python -m benchmarks.masked_conv_tpu_blocks --out DIR
 
-The ``pallas_mosaic_tpu`` config's defaults (``block_pixels=512, block_channels=256``, every
-tap per weight-gradient step) were chosen from the MXU's shape, never timed against
-others. For the issue's three PixelCNN layers (N=64, 32x32, C=256, bfloat16: 7x7 type A,
+The ``pallas_mosaic_tpu`` config's first defaults (``block_pixels=512, block_channels=256``,
+every tap per weight-gradient step) were chosen from the MXU's shape; this sweep's first run
+(TPU v5e, 2026-12-07, where ``default`` is that config) set today's 2,048 pixels. For the issue's three PixelCNN layers (N=64, 32x32, C=256, bfloat16: 7x7 type A,
 5x5 type B, 3x3 type B) this times each of the three kernels alone under each candidate
 ``Config``: the forward (``masked_conv``), the input gradient (its ``jax.linear_transpose``
 in x) and the weight gradient (in the kernel), one process, samples interleaved per
@@ -41,9 +41,9 @@ from maskconv_kernels.ops.masked_conv.spec import make_spec
 LAYERS = ("pixelcnn_7x7A_C256_32x32", "pixelcnn_5x5B_C256_32x32", "pixelcnn_3x3B_C256_32x32")
 KINDS = ("forward", "input_grad", "weight_grad")
 # (block_pixels, block_channels, block_taps); None: the heuristic's default for the kernel.
-GEMM_CANDIDATES = (None, (256, 256, 64), (1024, 256, 64), (2048, 256, 64), (4096, 256, 64), (512, 128, 64),
+GEMM_CANDIDATES = (None, (256, 256, 64), (512, 256, 64), (1024, 256, 64), (4096, 256, 64), (512, 128, 64),
                    (1024, 128, 64), (2048, 128, 64))
-WEIGHT_GRAD_CANDIDATES = (None, (1024, 256, 64), (2048, 256, 64), (256, 256, 64), (512, 128, 64), (1024, 128, 64),
+WEIGHT_GRAD_CANDIDATES = (None, (1024, 256, 64), (512, 256, 64), (256, 256, 64), (512, 128, 64), (1024, 128, 64),
                           (512, 256, 8), (1024, 256, 8), (2048, 256, 8))
 PRESET = Preset(True, ("bfloat16",), (), samples=9, min_sample_s=0.003, warmup=2, max_input_sets=2, peak_n=8192)
 

@@ -125,8 +125,36 @@ def float_dtype(subject: str, dtype) -> np.dtype:
     return dtype
 
 
+# jax_default_matmul_precision's dot-algorithm names (jax >= 0.5) as the lax.Precision they ask for.
+# The others (8- and 16-bit dots) leave each platform's default (None).
+_ALGORITHMS = {"BF16_BF16_F32": lax.Precision.DEFAULT, "BF16_BF16_F32_X3": lax.Precision.HIGH,
+               "TF32_TF32_F32": lax.Precision.HIGH, "BF16_BF16_F32_X6": lax.Precision.HIGHEST,
+               "BF16_BF16_F32_X9": lax.Precision.HIGHEST, "TF32_TF32_F32_X3": lax.Precision.HIGHEST,
+               "F32_F32_F32": lax.Precision.HIGHEST, "F64_F64_F64": lax.Precision.HIGHEST}
+
+
+def _default_precision():
+    """``jax_default_matmul_precision`` as a ``lax.Precision``, or ``None`` (unset, or a
+    dot algorithm without one)."""
+    value = jax.config.jax_default_matmul_precision
+    if value is None or value.upper() in _ALGORITHMS:
+        return None if value is None else _ALGORITHMS[value.upper()]
+    try:
+        return lax.Precision(value)  # "default", "high", "highest" and lax's aliases ("float32", ...)
+    except ValueError:
+        return None
+
+
 def precision(value):
-    """``None``, a ``lax.Precision``, its name (or lax's aliases), or a pair of them (one per operand)."""
+    """``None``, a ``lax.Precision``, its name (or lax's aliases), or a pair of them (one per operand).
+
+    ``None`` is the precision ``jax.default_matmul_precision`` (or
+    ``JAX_DEFAULT_MATMUL_PRECISION``) sets where the call is traced, as ``lax.conv`` and
+    ``jnp.dot`` read it; ``None`` where it is unset (each platform's default). The kernels see
+    what ``lax`` would: on a TPU, float32 products at ``"highest"`` under that setting.
+    """
+    if value is None:
+        return _default_precision()
 
     def one(p):
         if isinstance(p, lax.Precision):
@@ -141,8 +169,6 @@ def precision(value):
         names = ", ".join(repr(m.lower()) for m in lax.Precision.__members__)
         raise ValueError(f"precision must be None, a lax.Precision, one of {names}, or a pair of them, got {value!r}")
 
-    if value is None:
-        return None
     if isinstance(value, (tuple, list)) and len(value) == 2:
         return (one(value[0]), one(value[1]))
     return one(value)

@@ -147,6 +147,14 @@ def test_highest_precision_reaches_the_kernel_dots():
     assert "HIGHEST" in jaxprs(jnp.float32, "high")  # at least the precision asked for
     assert "HIGHEST" not in jaxprs(jnp.float32, None)  # bfloat16 passes: the TPU's default, as lax.conv's
     assert "HIGHEST" not in jaxprs(jnp.bfloat16, "highest")  # 16-bit products are exact already
+    # precision=None is what jax.default_matmul_precision sets, as for lax.conv (there it
+    # was once ignored: the kernels ran bfloat16 passes where lax.conv ran float32 products).
+    with jax.default_matmul_precision("highest"):
+        assert "HIGHEST" in jaxprs(jnp.float32, None)
+    with jax.default_matmul_precision("BF16_BF16_F32_X3"):
+        assert "HIGHEST" in jaxprs(jnp.float32, None)
+    with jax.default_matmul_precision("bfloat16"):
+        assert "HIGHEST" not in jaxprs(jnp.float32, None)
 
 
 # --------------------------------------------------------------------------- interpreted against float64

@@ -15,9 +15,9 @@ VMEM: TPU v5e has 128 MiB per core, v7x 64 MiB, and Mosaic's scoped default is 1
 32 MiB. The kernels ask for :data:`VMEM_LIMIT_BYTES` (48 MiB) and the heuristic keeps
 the buffers it counts (:meth:`.geometry.Geometry.vmem_bytes`) within
 :data:`VMEM_BUDGET_BYTES` (32 MiB), the rest left to Mosaic's own temporaries. The
-defaults are a starting point chosen from the MXU's shape (128 x 128 on v5e, 256 x 256
-on v6e), not tuned: the kernels were timed with them on a TPU v5e (docs/performance.md),
-no other blocks were.
+defaults are the best of a sweep on a TPU v5e (``benchmarks/masked_conv_tpu_blocks.py``,
+docs/performance.md): 256 result channels (two lane tiles, the MXU's 128 x 128 twice) and
+up to 2,048 pixels a step (a whole 32 x 32 image: 512 was 2-12% slower in each kernel).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Config:
         ``block_taps x C_in x block_channels`` float32 values); at least 1.
     """
 
-    block_pixels: int = 512
+    block_pixels: int = 2048
     block_channels: int = 256
     block_taps: int = 64
 
@@ -81,7 +81,7 @@ class Config:
 
     @classmethod
     def get_default(cls, spec: ConvSpec, dtype, kernel: str = "forward") -> Config:
-        """The heuristic: the largest blocks of ``(512 pixels, 256 channels, every tap)`` that fit the VMEM budget.
+        """The heuristic: the largest blocks of ``(2048 pixels, 256 channels, every tap)`` that fit the VMEM budget.
 
         Shrinks, in this order, until :func:`vmem_bytes` is within :data:`VMEM_BUDGET_BYTES`:
         the weight gradient's taps per step (halved), the result channels (to 128), the
