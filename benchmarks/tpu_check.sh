@@ -18,8 +18,9 @@
 #      (python -m maskconv_kernels.bench causal_conv --preset tpu)          -> causal_conv.jsonl
 #   6. causal_conv1d against lax.conv and XLA's shift-and-add at Mamba-2 layers, with
 #      the HBM roofline (python -m maskconv_kernels.bench sequence --preset tpu) -> sequence.jsonl
-#   7. the suites named by PYTEST_PATHS compiled on the TPU, in one process (one
-#      program at a time may hold the chip), at the default matmul precision -> pytest.txt
+#   7. the suites named by PYTEST_PATHS (default: the two Mosaic TPU kernel suites)
+#      compiled on the TPU, in one process (one program at a time may hold the chip),
+#      at the default matmul precision                                      -> pytest.txt
 #   8. the benchmarks' tables, printed last
 # Everything goes to $OUT (default benchmarks/results/tpu-check), with the full log in
 # tpu_check.log: 7 files, of the 8 the device machine returns.
@@ -29,29 +30,35 @@
 # file:///opt/pypi/simple) into /tmp/site, after its jax on PYTHONPATH.
 # Override the interpreter with PYTHON=..., the stage limits with *_TIMEOUT (seconds).
 # TPU_CHECK_ALLOW_CPU=1 lets the script run without a TPU (to test the script itself).
+#
+# The limits add up to under 9 minutes with stage 1's ~40 s and the installs (530 s): a stage
+# that runs long is cut, not the check. On a warm TPU v5e (2026-12-07, commit 74f82ee) the
+# seed took 25 s, the leak report 96 s, the grid 215 s for two layers' cells, causal_conv
+# 109 s, and the kernel suites 69 s of tests; so the grid and the two benchmarks after it
+# time fewer cells than they did there. The whole grid: bench conv --preset tpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$ROOT/benchmarks/results/tpu-check}
-SEED_TIMEOUT=${SEED_TIMEOUT:-60}
-REPORT_TIMEOUT=${REPORT_TIMEOUT:-150}  # 90 s was short on a TPU v5e: its timing stage compiles
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-240}
-BENCH_BUDGET=${BENCH_BUDGET:-180}   # cells started after this many seconds are skipped
+SEED_TIMEOUT=${SEED_TIMEOUT:-40}
+REPORT_TIMEOUT=${REPORT_TIMEOUT:-100}  # 90 s was short on a TPU v5e (its timing stage compiles); it took 96 s
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-130}
+BENCH_BUDGET=${BENCH_BUDGET:-90}   # cells started after this many seconds are skipped
 # The xla strategies beside the default are not timed by default: on 2026-12-07 the first
 # cell's compiles (lax.conv 24 s, xla 43 s, then the strategies') outlasted the stage's limit
 # and it wrote no row. Add them back with BENCH_ARGS="... --xla-strategies conv matmul".
 BENCH_ARGS=${BENCH_ARGS:---shapes C256_32x32}
-CAUSAL_CONV_TIMEOUT=${CAUSAL_CONV_TIMEOUT:-120}
-CAUSAL_CONV_BUDGET=${CAUSAL_CONV_BUDGET:-80}  # cells started after this many seconds are skipped
+CAUSAL_CONV_TIMEOUT=${CAUSAL_CONV_TIMEOUT:-60}
+CAUSAL_CONV_BUDGET=${CAUSAL_CONV_BUDGET:-35}  # cells started after this many seconds are skipped
 CAUSAL_CONV_ARGS=${CAUSAL_CONV_ARGS:---dtypes bfloat16}
-SEQUENCE_TIMEOUT=${SEQUENCE_TIMEOUT:-120}
-SEQUENCE_BUDGET=${SEQUENCE_BUDGET:-70}  # cells started after this many seconds are skipped
+SEQUENCE_TIMEOUT=${SEQUENCE_TIMEOUT:-60}
+SEQUENCE_BUDGET=${SEQUENCE_BUDGET:-35}  # cells started after this many seconds are skipped
 SEQUENCE_ARGS=${SEQUENCE_ARGS:---dtypes bfloat16 --modes fwd+bwd fwd --shapes _W4}
-PYTEST_PATHS=${PYTEST_PATHS:-}      # e.g. "tests/masked_conv/test_pallas_mosaic_tpu.py"
+PYTEST_PATHS=${PYTEST_PATHS-tests/masked_conv/test_pallas_mosaic_tpu.py tests/causal_conv1d/test_causal_conv1d_pallas_mosaic_tpu.py}  # "" skips stage 7
 PYTEST_K=${PYTEST_K:-}
 PYTEST_SHARD=${PYTEST_SHARD:-}      # k/n: the tests whose node id hashes to k modulo n (tests/conftest.py)
-PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-150}
+PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-85}
 PIP_INDEX=${PIP_INDEX:-file:///opt/pypi/simple}
 mkdir -p "$OUT"
 # shellcheck source=benchmarks/check_preamble.sh
@@ -112,7 +119,7 @@ STATUS[sequence]=${PIPESTATUS[0]}
 
 if [ -n "$PYTEST_PATHS" ]; then
   stage "7. the suites on the TPU, compiled, one process (limit ${PYTEST_TIMEOUT}s)"
-  PIP_CONFIG_FILE=/dev/null timeout 120 "$PYTHON" -m pip install -q --isolated --only-binary=:all: \
+  PIP_CONFIG_FILE=/dev/null timeout 60 "$PYTHON" -m pip install -q --isolated --only-binary=:all: \
     --index-url "$PIP_INDEX" --target /tmp/site flax optax pytest-timeout >/dev/null 2>&1
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
   # -v: each test's name and outcome as it ends, so a run cut by the limit still names them.

@@ -28,7 +28,6 @@ import time
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from maskconv_kernels.ops.causal_conv1d import causal_conv1d
 
