@@ -284,7 +284,7 @@ def check_update(name, p):
         before = before[:, p["state_len"] - window:]
     if has_initial is not None:
         before = np.where(has_initial[:, None, None], before, 0.0)
-    ys, xs, ref_ys = [], [], []
+    ys, xs = [], []
     for i, tokens in enumerate(p["calls"]):
         x = random(s + 10 + i, (batch, dim) if tokens == 0 else (batch, tokens, dim), x_dtype)
         args = dict(state_indices=indices, cache_seqlens=seqlens, has_initial_state=has_initial if i == 0 else None)
