@@ -137,8 +137,10 @@ def _default_precision():
     """``jax_default_matmul_precision`` as a ``lax.Precision``, or ``None`` (unset, or a
     dot algorithm without one)."""
     value = jax.config.jax_default_matmul_precision
-    if value is None or value.upper() in _ALGORITHMS:
-        return None if value is None else _ALGORITHMS[value.upper()]
+    if value is None:
+        return None
+    if value.upper() in _ALGORITHMS:
+        return _ALGORITHMS[value.upper()]
     try:
         return lax.Precision(value)  # "default", "high", "highest" and lax's aliases ("float32", ...)
     except ValueError:

@@ -15,9 +15,9 @@ VMEM: TPU v5e has 128 MiB per core, v7x 64 MiB, and Mosaic's scoped default is 1
 32 MiB. The kernels ask for :data:`VMEM_LIMIT_BYTES` (48 MiB) and the heuristic keeps
 the buffers it counts (:meth:`.geometry.Geometry.vmem_bytes`) within
 :data:`VMEM_BUDGET_BYTES` (32 MiB), the rest left to Mosaic's own temporaries. The
-defaults are the best of a sweep on a TPU v5e (``benchmarks/masked_conv_tpu_blocks.py``,
-docs/performance.md): 256 result channels (two lane tiles, the MXU's 128 x 128 twice) and
-up to 2,048 pixels a step (a whole 32 x 32 image: 512 was 2-12% slower in each kernel).
+defaults are the best of a sweep on a TPU v5e (``benchmarks/masked_conv_tpu_blocks.py``;
+its figures in docs/performance.md): 256 result channels (two lane tiles) and up to 2,048
+pixels a step (a whole 32 x 32 image), in each of the three kernels.
 """
 from __future__ import annotations
 
