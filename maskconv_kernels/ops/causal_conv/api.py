@@ -173,7 +173,8 @@ def causal_conv(
         outputs, no gradient). Needs ``padding_mode="zeros"``, stride 1 and ``"SAME"``
         with zeros on the other axes, and ``implementation=None`` or ``"xla"``.
       precision: ``lax.Precision`` (or its name) for the products: ``"highest"`` gives
-        IEEE float32 products on GPUs (no TF32).
+        IEEE float32 products on GPUs (no TF32) and TPUs (no bfloat16 passes). ``None``:
+        what ``jax.default_matmul_precision`` sets, as for ``lax.conv``.
       implementation: ``None`` (per platform, when lowered, as ``masked_conv``'s) or one
         of :data:`IMPLEMENTATIONS`: ``"xla"`` (every problem, every platform) or a kernel
         backend that takes the problem (``"pallas_triton"``, ``"triton"``: 1-D and 2-D,

@@ -104,7 +104,8 @@ def masked_conv(
         ``("NCHW", "OIHW", "NCHW")``. The backends compute channels-last; other layouts are
         transposed in and out (``maskconv_kernels.ops.masked_conv.layout``).
       precision: ``lax.Precision`` (or its name) for the products; ``"highest"`` gives
-        IEEE float32 products on GPUs (no TF32).
+        IEEE float32 products on GPUs (no TF32) and TPUs (no bfloat16 passes). ``None``:
+        what ``jax.default_matmul_precision`` sets, as for ``lax.conv``.
       preferred_element_type: output dtype; defaults to ``x.dtype``. Accumulation is in
         float32 for every input dtype narrower than that.
       implementation: ``None`` (per platform, when lowered: the first backend of
