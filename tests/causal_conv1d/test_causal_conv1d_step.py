@@ -245,7 +245,7 @@ def test_speculative_decoding_never_reads_a_rejected_draft(width, drafts):
     rng = np.random.default_rng(width)
     seq = np.asarray(random(40, (40, D), F32))
     w, b = random(41, (width, D), F32), random(42, (D,), F32)
-    window, state_len = width - 1, width - 1 + drafts
+    state_len = width - 1 + drafts
     pool = jnp.full((3, state_len, D), jnp.nan)
     step = jax.jit(lambda x, pool, q, fresh, a: causal_conv1d_step(
         x, pool, w, b, query_start_loc=q, state_indices=jnp.array([1]), has_initial_state=fresh,

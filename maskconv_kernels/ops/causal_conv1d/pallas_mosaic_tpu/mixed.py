@@ -38,15 +38,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv, round_up
 from ..checks import Problem
-from .config import MIXED_KERNEL, NAN, PAD, VMEM_LIMIT_BYTES, ZEROS
-from .kernels import sigmoid
+from .config import MIXED_KERNEL, NAN, PAD, ZEROS
+from .kernels import pool_call, sigmoid
 
 __all__ = ["MixedStatic", "step"]
 
@@ -240,30 +239,18 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     slab = round_up(s.state_len, 8) if pool_dtype.itemsize == 4 else s.state_len  # as the decode kernel's
     grid = (dim // s.channels, cdiv(tokens, s.tile))
     tile = pl.BlockSpec((s.tile, s.channels), lambda c, k, *_: (k, c))
-    shared = lambda height: pl.BlockSpec((height, s.channels), lambda c, k, *_: (0, c))  # noqa: E731
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [tile, shared(s.problem.width)] + ([shared(1)] if s.problem.has_bias else []) + [hbm]
-    return pl.pallas_call(
+    rows = round_up(s.state_len, 8)
+    return pool_call(
         functools.partial(_kernel, s=s, dim=dim, requests=requests),
-        out_shape=[jax.ShapeDtypeStruct(x_shape, x_dtype), jax.ShapeDtypeStruct(pool_shape, pool_dtype)],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=[tile, hbm],
-            scratch_shapes=[
-                pltpu.VMEM((s.tile, slab, s.channels), pool_dtype),
-                pltpu.VMEM((s.tile, round_up(s.state_len, 8), s.channels), jnp.float32),
-                pltpu.VMEM((s.tile, slab, s.channels), pool_dtype),
-                pltpu.VMEM((s.tile, round_up(s.state_len, 8), s.channels), jnp.float32),
-                pltpu.VMEM((s.halo + s.tile, s.channels), jnp.float32),
-                pltpu.SemaphoreType.DMA(()),
-                pltpu.SemaphoreType.DMA(()),
-            ],
-        ),
-        input_output_aliases={5 + len(in_specs) - 1: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
-        interpret=interpret,
-        name=MIXED_KERNEL,
+        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=5, grid=grid, tokens=tile,
+        channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
+        scratch=[
+            pltpu.VMEM((s.tile, slab, s.channels), pool_dtype),
+            pltpu.VMEM((s.tile, rows, s.channels), jnp.float32),
+            pltpu.VMEM((s.tile, slab, s.channels), pool_dtype),
+            pltpu.VMEM((s.tile, rows, s.channels), jnp.float32),
+            pltpu.VMEM((s.halo + s.tile, s.channels), jnp.float32),
+            pltpu.SemaphoreType.DMA(()),
+            pltpu.SemaphoreType.DMA(()),
+        ],
     )
