@@ -25,9 +25,7 @@ that may be a relayout), seconds.
 import functools
 import json
 import re
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +33,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from maskconv_kernels.bench.timing import median_times
 
 INTERPRET = "--interpret" in sys.argv or jax.default_backend() != "tpu"
 T, D, N = (128, 256, 16) if INTERPRET else (2048, 2048, 256)
@@ -139,16 +139,6 @@ VARIANTS = {
 }
 
 
-def seconds(f, *args, n=10):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
-
-
 def main():
     offs = offsets()
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -162,7 +152,7 @@ def main():
                 got = np.asarray(compiled(x, offs), np.float32)
                 copies = len(re.findall(r"= \S+ copy(?:-start)?\(", compiled.as_text()))
                 row.update(compiled=True, equal=bool(np.array_equal(got, np.asarray(reference(x, offs), np.float32))),
-                           hlo_copies=copies, median_s=seconds(compiled, x, offs))
+                           hlo_copies=copies, median_s=median_times({name: compiled}, [(x, offs)], 10)[name])
             except Exception as e:  # noqa: BLE001 - a refused idiom is the finding
                 row.update(compiled=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             print(json.dumps(row), flush=True)

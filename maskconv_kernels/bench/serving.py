@@ -16,6 +16,8 @@ timed call reuses its inputs; ``--steps-per-call N`` runs N steps a call in a lo
 carries the pool in place instead, and gives the time per step):
 
 * ``causal_conv1d_step``: this library, ``implementation=None``;
+* ``causal_conv1d_step[pallas_mosaic_tpu]`` (``mixed``, on a TPU): the same with the mixed
+  step's kernel named, until it is timed and made the default;
 * ``gather+lax.conv+scatter`` (``decode`` and ``mixed``): the code users write today:
   gather each request's slot, place its tokens after it in a dense ``(R, W - 1 + n_max,
   D)`` block, ``lax.conv_general_dilated`` depthwise with ``VALID`` padding, take the
@@ -53,6 +55,7 @@ from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_gr
 
 KINDS = ("decode", "mixed", "prefix")
 OURS, BASELINE = "causal_conv1d_step", "gather+lax.conv+scatter"
+MIXED_KERNEL = "causal_conv1d_step[pallas_mosaic_tpu]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +142,7 @@ def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
                 None if computed is None else jnp.asarray(computed))
 
 
-def ours(shape: StepShape, kind: str):
+def ours(shape: StepShape, kind: str, implementation: str | None = None):
     """``f(step) -> (y, pool)``: ``causal_conv1d_step`` (prefix caching in the ``prefix`` kind)."""
     caching = kind == "prefix"
 
@@ -148,7 +151,7 @@ def ours(shape: StepShape, kind: str):
             s.x, s.pool, s.weight, s.bias, query_start_loc=s.query_start_loc, state_indices=s.state_indices,
             has_initial_state=s.has_initial_state, activation="silu", block_size=shape.block if caching else None,
             block_indices=s.block_indices if caching else None,
-            num_computed_tokens=s.num_computed_tokens if caching else None,
+            num_computed_tokens=s.num_computed_tokens if caching else None, implementation=implementation,
         )
 
     return f
@@ -223,6 +226,8 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
     dtype = DTYPES[dtype_name]
     step = make_step(shape, kind, dtype)
     found = {OURS: ours(shape, kind)}
+    if kind == "mixed" and jax.default_backend() == "tpu":  # the mixed step's kernel, named (not yet the default)
+        found[MIXED_KERNEL] = ours(shape, kind, "pallas_mosaic_tpu")
     if kind != "prefix":
         found[BASELINE] = baseline(shape, kind)
     base = {"shape": shape.name, **dataclasses.asdict(shape), "kind": kind, "tokens": int(step.x.shape[0]),
@@ -248,8 +253,9 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
         ts = [t / steps_per_call for t in ts]
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
-    if BASELINE in times and OURS in times:
-        rows[OURS][f"vs_{BASELINE}"] = rows[BASELINE]["median_s"] / rows[OURS]["median_s"]
+    for name in times:
+        if BASELINE in times and name != BASELINE:
+            rows[name][f"vs_{BASELINE}"] = rows[BASELINE]["median_s"] / rows[name]["median_s"]
     probe = _unread_slots_nan(step)
     outputs = {name: c(step) for name, c in compiled.items()}
     for name, c in compiled.items():

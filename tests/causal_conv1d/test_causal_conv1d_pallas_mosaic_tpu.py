@@ -22,7 +22,7 @@ from support.tiers import tiered
 from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import KERNELS, PREFERRED_FROM, Config
-from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import DECODE_KERNEL, halo_rows
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import DECODE_KERNEL, MIXED_KERNEL, halo_rows
 
 NAME = "pallas_mosaic_tpu"
 RECORD = backends.REGISTRY.get(NAME)
@@ -175,3 +175,28 @@ def test_a_serving_step_of_one_token_a_request_lowers_for_tpu_to_the_decode_kern
     cpu = step.trace(x, pool, w, b, qsl, idx).lower(lowering_platforms=("cpu",)).as_text()
     assert "tpu_custom_call" not in cpu
 
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_mixed_serving_step_named_lowers_for_tpu_to_one_kernel_on_the_donated_pool(pool_dtype):
+    """``causal_conv1d_step`` of prefill chunks and decode tokens (200 tokens: three whole
+    tiles and a partial one) with ``implementation="pallas_mosaic_tpu"``, lowered for a TPU:
+    one Mosaic kernel, the mixed step's, aliasing the donated pool; no convolution around
+    it, and no gather or scatter but of the per-token metadata (int32 vectors)."""
+    from maskconv_kernels import causal_conv1d_step
+
+    tokens, requests, dim = 200, 8, 2048
+    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, 3, dim), pool_dtype)
+    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
+    qsl, idx = jax.ShapeDtypeStruct((requests + 1,), jnp.int32), jax.ShapeDtypeStruct((requests,), jnp.int32)
+    step = jax.jit(lambda x, pool, w, b, qsl, idx: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu", implementation=NAME),
+        donate_argnums=1)
+    text = step.trace(x, pool, w, b, qsl, idx).lower(lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
+    assert f'kernel_name = "{MIXED_KERNEL}"' in text
+    assert re.search(r"output_operand_aliases = \[#stablehlo\.output_operand_alias<output_tuple_indices = \[1\]", text)
+    assert "tf.aliasing_output = 1" in text
+    assert "stablehlo.convolution" not in text
+    for op in re.finditer(r"stablehlo\.(scatter|gather)", text):
+        result = text[op.end():].split("->", 1)[1].split(None, 1)[0]
+        assert re.fullmatch(r"tensor<\d+xi32>", result), (op.group(0), result)

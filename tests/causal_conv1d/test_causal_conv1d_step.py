@@ -110,8 +110,8 @@ def test_every_request_equals_causal_conv1d_on_its_whole_sequence(width, dilatio
     assert np.isnan(np.asarray(np.asarray(pool)[[1, 3, 5]], np.float64)).all(), "slots nobody named are untouched"
 
 
-# The TPU's decode kernel, named (interpreted off a TPU): a step of R tokens for R requests
-# runs it when each request has one token, and the composition otherwise.
+# The TPU's kernels, named (interpreted off a TPU): a step of R tokens for R requests runs
+# the decode kernel when each request has one token, and the mixed step's kernel otherwise.
 TPU_KERNEL = dict(implementation="pallas_mosaic_tpu", interpret=jax.default_backend() != "tpu")
 DECODE_ONLY = [{0: 1, 1: 1, 2: 1}, {0: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {1: 1}, {0: 1, 1: 1, 2: 1}]
 
@@ -136,9 +136,10 @@ def test_decode_steps_on_the_tpu_kernel_equal_causal_conv1d(x_dtype, pool_dtype)
     assert np.isnan(np.asarray(np.asarray(pool)[[1, 2, 4]], np.float64)).all(), "slots nobody named are untouched"
 
 
-def test_a_step_of_r_tokens_that_is_not_one_each_takes_the_composition():
-    """T = R, but one request has two tokens and one none: the kernel's path is not taken (a
-    runtime branch), and the step equals the composition's."""
+def test_a_step_of_r_tokens_that_is_not_one_each_takes_the_mixed_kernel():
+    """T = R, but one request has two tokens and one none: the decode kernel's path is not
+    taken (a runtime branch) but the mixed step's kernel's, and the step equals the
+    composition's within rounding, its states bit for bit."""
     x, w, b = random(0, (4, D)), random(1, (4, D), scale=0.5), random(2, (D,))
     pool = random(3, (5, 3, D))
     kw = dict(query_start_loc=jnp.array([0, 2, 3, 4, 4]), state_indices=jnp.array([4, 0, PAD_SLOT_ID, 2]),
@@ -244,7 +245,7 @@ def test_speculative_decoding_never_reads_a_rejected_draft(width, drafts):
     rng = np.random.default_rng(width)
     seq = np.asarray(random(40, (40, D), F32))
     w, b = random(41, (width, D), F32), random(42, (D,), F32)
-    window, state_len = width - 1, width - 1 + drafts
+    state_len = width - 1 + drafts
     pool = jnp.full((3, state_len, D), jnp.nan)
     step = jax.jit(lambda x, pool, q, fresh, a: causal_conv1d_step(
         x, pool, w, b, query_start_loc=q, state_indices=jnp.array([1]), has_initial_state=fresh,

@@ -84,11 +84,12 @@ class Server:
         self.finished: list[Request] = []
         self.cached: list[tuple[Request, int, int]] = []  # (request, block m, slot): state after (m + 1) * K
         tree = trace.block is None
+        plain = tree and trace.drafts == 0  # no drafts, no prefix caching: each request writes the slot it reads
         kw = dict(activation="silu", dilation=trace.dilation, implementation=implementation, interpret=interpret)
 
         def run(x, pool, qsl, read, write, fresh, extra):
             conv = lambda u: causal_conv1d_step(u, pool, self.w, self.b, query_start_loc=qsl, state_indices=read,
-                                                write_indices=write, has_initial_state=fresh,
+                                                write_indices=None if plain else write, has_initial_state=fresh,
                                                 block_size=None if tree else trace.block, **extra, **kw)
             return self.around(conv, x)
 
@@ -166,9 +167,9 @@ class Server:
             computed.append(0)
         parents += [-1] * (t.tokens - len(parents))
         extra = {}
-        if t.block is None:
+        if t.block is None and t.drafts:
             extra = dict(parents=jnp.asarray(parents, jnp.int32), accepted_path=jnp.asarray(np.stack(paths), jnp.int32))
-        else:
+        elif t.block is not None:
             extra = dict(block_indices=jnp.asarray(np.stack(table)), num_computed_tokens=jnp.asarray(computed))
         y, self.pool = self.run(jnp.asarray(x), self.pool, jnp.asarray(qsl, jnp.int32), jnp.asarray(read, jnp.int32),
                                 jnp.asarray(write, jnp.int32), jnp.asarray(fresh), extra)
@@ -274,6 +275,8 @@ def replay(trace: Trace, steps: int, seed: int, **kw) -> Server:
 TREES = [Trace(4, drafts=3), Trace(2, drafts=2), Trace(8, drafts=4, tokens=32), Trace(3, 2, drafts=2),
          Trace(4, drafts=3, x_dtype=BF16)]
 CACHES = [Trace(4, block=4), Trace(3, block=8), Trace(6, block=4, x_dtype=BF16), Trace(2, 3, block=16)]
+# Plain steps (no drafts, no prefix caching): what the TPU's mixed step kernel takes.
+PLAINS = [Trace(4), Trace(3, 2, x_dtype=BF16), Trace(2, tokens=40, longest=60), Trace(4, x_dtype=BF16, pool_dtype=BF16)]
 
 
 @pytest.mark.parametrize("trace", tiered(TREES, lambda t: t.width == 4 and t.x_dtype == F32),
@@ -294,6 +297,15 @@ def test_a_qwen3_next_style_gated_layer_served_equals_its_full_pass():
     served through trees of drafts and chunked prefills, each request's accepted outputs
     equal the layer's full pass on its sequence."""
     replay(Trace(4, drafts=3), 30, seed=5, gated=True)
+
+
+@pytest.mark.parametrize("trace", tiered(PLAINS, lambda t: t.width == 4 and t.x_dtype == F32),
+                         ids=lambda t: f"W{t.width}_d{t.dilation}_{np.dtype(t.x_dtype).name}_{np.dtype(t.pool_dtype).name}")
+def test_plain_steps_on_the_tpu_mixed_kernel(trace):
+    """Steps of prefill chunks and decode tokens (NaN padding tokens and pad rows, slots
+    reused) through the mixed step's kernel, named (interpreted off a TPU): each request's
+    outputs and states equal its full pass."""
+    replay(trace, 12, seed=3, implementation="pallas_mosaic_tpu", interpret=jax.default_backend() != "tpu")
 
 
 @pytest.mark.slow

@@ -24,8 +24,11 @@ from ..._core.errors import OpError
 from ..._core.history import check_dtype
 from .api import causal_conv1d
 from .checks import check_activation, check_operands, problem_of
+from . import pallas_mosaic_tpu as tpu
+from .backends import REGISTRY
 from .update import (
-    PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, one_launch, read_slots, write_slots,
+    PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, one_launch, read_slots, slot_codes,
+    write_slots,
 )
 
 __all__ = ["causal_conv1d_step"]
@@ -75,7 +78,10 @@ def causal_conv1d_step(
     ``positions``, checks at run time whether each request has one token, and if so runs
     as :func:`~.update.causal_conv1d_update`'s decode kernel (the pool aliased in HBM, a DMA
     per slot; within rounding of the composition, not bit for bit); named with
-    ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``).
+    ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``). Named, any
+    other step without prefix caching, drafts, ``positions`` or ``write_indices`` runs as
+    the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`: one launch, the pool aliased,
+    within rounding of the composition); not yet the TPU's default (untimed).
 
     Args:
       x: ``(T, D)``: the step's tokens, requests back to back, then padding up to ``T``
@@ -187,29 +193,64 @@ def causal_conv1d_step(
             new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
         return y, new_pool
 
-    plain = tree is None and path is None and blocks is None and starts is None and x.shape[0] == requests
-    if plain:
-        problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
-        if one_launch(problem, implementation, interpret, state_len):
-            return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation,
-                                interpret)
-    return composed(x, pool, weight, bias)
+    otherwise = composed
+    if tree is None and path is None and blocks is None and starts is None:
+        if _mixed_launch(implementation, write_indices, state_len):
+            problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
+            REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
+            otherwise = _mixed_step(qsl, read, fresh, owner, within, composed, problem, interpret)
+        if x.shape[0] == requests:
+            problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
+            if one_launch(problem, implementation, interpret, state_len):
+                return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, otherwise, problem,
+                                    implementation, interpret)
+    return otherwise(x, pool, weight, bias)
 
 
-def _decode_step(x, pool, weight, bias, qsl, read, write, fresh, composed, problem, implementation, interpret):
+def _mixed_launch(implementation: str | None, write_indices, state_len: int) -> bool:
+    """Whether a step (no prefix caching, drafts or ``positions``) may run as the mixed
+    step's kernel: named (``"pallas_mosaic_tpu"``; not yet the TPU's default, untimed),
+    each request writing the slot it reads, slots of at least one input."""
+    return implementation == "pallas_mosaic_tpu" and write_indices is None and state_len >= 1
+
+
+def _mixed_step(qsl, read, started, owner, within, composed, problem, interpret):
+    """The step as the mixed step's kernel (:func:`~.pallas_mosaic_tpu.step`), differentiated
+    through ``composed`` (a function of ``(x, pool, weight, bias)`` as the kernel);
+    ``started``: ``has_initial_state`` or ``None``."""
+    fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
+    owner, within = owner.astype(jnp.int32), within.astype(jnp.int32)
+
+    @jax.custom_vjp
+    def launch(x, pool, weight, bias):
+        reads, writes = slot_codes(read, read, fresh, pool.shape[0])
+        return tuple(tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=problem,
+                              interpret=interpret))
+
+    def launch_fwd(*args):
+        return launch(*args), args
+
+    def launch_bwd(args, cotangents):
+        return jax.vjp(composed, *args)[1](cotangents)
+
+    launch.defvjp(launch_fwd, launch_bwd)
+    return launch
+
+
+def _decode_step(x, pool, weight, bias, qsl, read, write, fresh, otherwise, problem, implementation, interpret):
     """A step of one token a request (``T == R``; checked when it runs) as the TPU's decode
     kernel (:func:`~.update.decode_launch`); any other step, and other platforms for
-    ``implementation=None``, as ``composed``."""
+    ``implementation=None``, as ``otherwise`` (the composition, or the mixed step's kernel)."""
     def kernel(x, pool, weight, bias):
         y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, problem=problem,
                                 implementation=implementation, interpret=interpret)
         return y[:, 0], pool
 
     def either(*args):  # qsl is data: a step of R tokens may still give one request two
-        return lax.cond(jnp.all(qsl[1:] - qsl[:-1] == 1), kernel, composed, *args)
+        return lax.cond(jnp.all(qsl[1:] - qsl[:-1] == 1), kernel, otherwise, *args)
 
     if implementation is None:
-        return lax.platform_dependent(x, pool, weight, bias, tpu=either, default=composed)
+        return lax.platform_dependent(x, pool, weight, bias, tpu=either, default=otherwise)
     return either(x, pool, weight, bias)
 
 

@@ -240,11 +240,18 @@ def _decoded(x, pool, weight, bias, reads, writes, fresh, *, problem):
 
 def _decode_kernel(x, pool, weight, bias, reads, writes, fresh, *, problem, interpret):
     """:func:`decode_launch`'s ``(y, pool)`` from the kernel: the rows' indices as its codes."""
-    slots, inside = _in_pool(reads, pool.shape[0])
-    codes = jnp.where(reads == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, slots)))
-    targets, writable = _in_pool(writes, pool.shape[0])
-    targets = jnp.where(writable, targets, -1).astype(jnp.int32)
-    return tpu.update(x, pool, weight, bias, codes.astype(jnp.int32), targets, problem=problem, interpret=interpret)
+    codes, targets = slot_codes(reads, writes, fresh, pool.shape[0])
+    return tpu.update(x, pool, weight, bias, codes, targets, problem=problem, interpret=interpret)
+
+
+def slot_codes(reads, writes, fresh, slots: int) -> tuple[jax.Array, jax.Array]:
+    """The TPU kernels' ``(reads, writes)`` int32 codes (``.pallas_mosaic_tpu.decode``) of rows
+    that read slot ``reads`` (:data:`PAD_SLOT_ID`: a pad row; ``fresh``: read zeros) and
+    write slot ``writes``: an index outside the pool reads NaN and writes nothing."""
+    indices, inside = _in_pool(reads, slots)
+    codes = jnp.where(reads == PAD_SLOT_ID, PAD, jnp.where(~inside, NAN, jnp.where(fresh, ZEROS, indices)))
+    targets, writable = _in_pool(writes, slots)
+    return codes.astype(jnp.int32), jnp.where(writable, targets, -1).astype(jnp.int32)
 
 
 def _unpacked(fn, *, problem, **params):

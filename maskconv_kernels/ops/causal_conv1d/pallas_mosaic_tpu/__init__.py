@@ -4,7 +4,9 @@
 * :mod:`.kernels`: the forward and the backward kernel (VPU code: a depthwise conv has
   no matmul), each block with its halo rows read as a second BlockSpec;
 * :mod:`.decode`: ``causal_conv1d_update``'s decode step as one launch (:func:`update`):
-  the rows' slots read and written by DMA in a pool left in HBM and aliased in place.
+  the rows' slots read and written by DMA in a pool left in HBM and aliased in place;
+* :mod:`.mixed`: ``causal_conv1d_step``'s step of prefill chunks and decode tokens as one
+  launch (:func:`step`), the pool as the decode kernel keeps it.
 
 Lowers for TPUs, or runs anywhere in Pallas' interpreter (``interpret=True``, traced
 inline). Every feature of the op: segment ids (and positions, read as ids), an initial
@@ -26,7 +28,7 @@ from .config import KERNELS, Config, halo_rows
 
 __all__ = [
     "Config", "KERNELS", "DTYPES", "PREFERRED_FROM", "MAX_DECODE_TOKENS", "unsupported", "not_preferred", "forward",
-    "backward", "update",
+    "backward", "update", "step",
 ]
 
 DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
@@ -103,6 +105,23 @@ def update(x, pool, weight, bias, reads, writes, *, problem: Problem, config: Co
     s = decode.DecodeStatic(problem=problem, state_len=pool.shape[1], rows=rows, channels=channels)
     b = bias.astype(jnp.float32)[None] if bias is not None else None
     return decode.update(x, pool, weight.astype(jnp.float32), b, reads, writes, s=s, interpret=bool(interpret))
+
+
+def step(x, pool, weight, bias, qsl, reads, writes, owner, within, *, problem: Problem, config: Config | None = None,
+         interpret: bool = False):
+    """``(y (T, D), pool)`` from the mixed step's kernel: ``x (T, D)``, requests' tokens back
+    to back as ``qsl (R + 1,)`` says; ``reads``, ``writes`` ``(R,)`` int32 codes (:mod:`.decode`'s);
+    ``owner``, ``within`` ``(T,)`` int32, each token's request (``R`` for padding) and index
+    in it; the pool returned is the one given, aliased."""
+    from . import mixed
+
+    config = config if config is not None else Config()
+    tokens, dim = x.shape
+    tile, channels = config.step_blocks(tokens, dim)
+    s = mixed.MixedStatic(problem=problem, state_len=pool.shape[1], tile=tile, channels=channels)
+    b = bias.astype(jnp.float32)[None] if bias is not None else None
+    return mixed.step(x, pool, weight.astype(jnp.float32), b, qsl, reads, writes, owner, within, s=s,
+                      interpret=bool(interpret))
 
 
 def _rows(a, rows: int, fill=0):

@@ -9,11 +9,13 @@ import dataclasses
 from ...._core.args import is_int
 from ...._core.tiling import round_up
 
-__all__ = ["Config", "KERNELS", "DECODE_KERNEL", "ZEROS", "NAN", "PAD", "LANES", "VMEM_LIMIT_BYTES", "halo_rows"]
+__all__ = ["Config", "KERNELS", "DECODE_KERNEL", "MIXED_KERNEL", "ZEROS", "NAN", "PAD", "LANES", "VMEM_LIMIT_BYTES",
+           "halo_rows"]
 
 # The kernels' names (in a lowered module, in profiles).
 KERNELS = ("causal_conv1d_tpu_fwd", "causal_conv1d_tpu_bwd")
 DECODE_KERNEL = "causal_conv1d_tpu_update"  # causal_conv1d_update's decode step (.decode)
+MIXED_KERNEL = "causal_conv1d_tpu_step"  # causal_conv1d_step's mixed step (.mixed)
 # The decode kernel's codes for a row's slot read (``reads``): a slot number, or one of these.
 ZEROS, NAN, PAD = -1, -2, -3  # not read (zeros); an index outside the pool (NaN); a pad row
 LANES = 128  # a vreg's lanes: a block's channels are a multiple of this, or all of them
@@ -47,6 +49,11 @@ class Config:
         128 up to 8192 (the largest that divides ``D``; ``D`` itself where none does).
         A step moves one DMA per row each way, so the fewer channel blocks the better
         (docs/performance.md, TPU v5e: the decode kernel's sweep).
+      step_tokens, step_channels: the mixed step's kernel (``causal_conv1d_step``) tokens
+        and channels per grid step: tokens a multiple of 16 from 16 to 256 (a step no
+        longer is one block; each is a row of code, unrolled), channels a multiple of 128
+        up to 2048 (the largest that divides ``D``; ``D`` itself where none does). Its
+        slot buffers hold ``S`` rows a token, so their VMEM grows as tokens x channels.
 
     The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
     block: the step's DMA overlaps the previous step's arithmetic) and keep the
@@ -60,6 +67,8 @@ class Config:
     backward_block_channels: int = 512
     decode_rows: int = 8
     decode_channels: int = 8192
+    step_tokens: int = 64
+    step_channels: int = 1024
 
     def __post_init__(self):
         for field in ("block_positions", "backward_block_positions"):
@@ -69,6 +78,12 @@ class Config:
                                  f"{_MAX_POSITIONS}, got {value!r}")
         if not is_int(self.decode_rows) or not 1 <= self.decode_rows <= 256:
             raise ValueError(f"Config.decode_rows must be an int from 1 to 256, got {self.decode_rows!r}")
+        if not is_int(self.step_tokens) or self.step_tokens % SUBLANES or not SUBLANES <= self.step_tokens <= 256:
+            raise ValueError(f"Config.step_tokens must be a multiple of {SUBLANES} from {SUBLANES} to 256, got "
+                             f"{self.step_tokens!r}")
+        step = self.step_channels
+        if not is_int(step) or step % LANES or not LANES <= step <= 2048:
+            raise ValueError(f"Config.step_channels must be a multiple of {LANES} from {LANES} to 2048, got {step!r}")
         channels = self.decode_channels
         if not is_int(channels) or channels % LANES or not LANES <= channels <= 8192:
             raise ValueError(f"Config.decode_channels must be a multiple of {LANES} from {LANES} to 8192, got "
@@ -100,7 +115,18 @@ class Config:
         ``decode_rows``; the largest multiple of 128 up to ``decode_channels`` that divides
         ``dim`` (its DMAs take whole blocks), or all of ``dim``."""
         rows = batch if batch <= self.decode_rows else self.decode_rows
-        if dim <= self.decode_channels:
-            return rows, dim
-        fits = [c for c in range(LANES, self.decode_channels + 1, LANES) if dim % c == 0]
-        return rows, (fits[-1] if fits else dim)
+        return rows, _dividing_channels(dim, self.decode_channels)
+
+    def step_blocks(self, tokens: int, dim: int) -> tuple[int, int]:
+        """``(tokens, channels)`` of a mixed step's grid step: all of a step no longer than
+        ``step_tokens``; channels as :meth:`decode_blocks` chooses them, up to ``step_channels``."""
+        return min(tokens, self.step_tokens), _dividing_channels(dim, self.step_channels)
+
+
+def _dividing_channels(dim: int, most: int) -> int:
+    """All of ``dim`` up to ``most``; else the largest multiple of 128 up to ``most`` that
+    divides it (DMAs take whole blocks), or all of ``dim`` where none does."""
+    if dim <= most:
+        return dim
+    fits = [c for c in range(LANES, most + 1, LANES) if dim % c == 0]
+    return fits[-1] if fits else dim

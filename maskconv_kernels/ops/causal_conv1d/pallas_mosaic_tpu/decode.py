@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -45,8 +44,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv, round_up
 from ..checks import Problem
-from .config import DECODE_KERNEL, NAN, PAD, VMEM_LIMIT_BYTES, ZEROS
-from .kernels import sigmoid
+from .config import DECODE_KERNEL, NAN, PAD, ZEROS
+from .kernels import pool_call, sigmoid
 
 __all__ = ["DecodeStatic", "update"]
 
@@ -196,28 +195,15 @@ def _call(s: DecodeStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtyp
     slab = round_up(s.state_len, 8) if pool_dtype.itemsize == 4 else s.state_len
     grid = (dim // s.channels, blocks)
     tile = pl.BlockSpec((s.rows, tokens, s.channels), lambda c, r, *_: (r, 0, c))
-    shared = lambda height: pl.BlockSpec((height, s.channels), lambda c, r, *_: (0, c))  # noqa: E731
-    hbm = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [tile, shared(s.problem.width)] + ([shared(1)] if s.problem.has_bias else []) + [hbm]
-    return pl.pallas_call(
+    return pool_call(
         functools.partial(_kernel, s=s, blocks=blocks, steps=grid[0] * grid[1], dim=dim),
-        out_shape=[jax.ShapeDtypeStruct(x_shape, x_dtype), jax.ShapeDtypeStruct(pool_shape, pool_dtype)],
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=grid,
-            in_specs=in_specs,
-            out_specs=[tile, hbm],
-            scratch_shapes=[
-                pltpu.VMEM((2, s.rows, slab, s.channels), pool_dtype),
-                pltpu.VMEM((2, s.rows, slab, s.channels), pool_dtype),
-                pltpu.VMEM((s.rows, round_up(s.state_len + tokens, 8), s.channels), jnp.float32),
-                pltpu.SemaphoreType.DMA((2,)),
-                pltpu.SemaphoreType.DMA((2,)),
-            ],
-        ),
-        input_output_aliases={2 + len(in_specs) - 1: 1},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
-                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
-        interpret=interpret,
-        name=DECODE_KERNEL,
+        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=2, grid=grid, tokens=tile,
+        channels=s.channels, problem=s.problem, name=DECODE_KERNEL, interpret=interpret,
+        scratch=[
+            pltpu.VMEM((2, s.rows, slab, s.channels), pool_dtype),
+            pltpu.VMEM((2, s.rows, slab, s.channels), pool_dtype),
+            pltpu.VMEM((s.rows, round_up(s.state_len + tokens, 8), s.channels), jnp.float32),
+            pltpu.SemaphoreType.DMA((2,)),
+            pltpu.SemaphoreType.DMA((2,)),
+        ],
     )

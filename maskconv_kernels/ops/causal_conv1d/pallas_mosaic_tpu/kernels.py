@@ -57,7 +57,7 @@ from ...._core.tiling import cdiv
 from ..checks import Problem
 from .config import KERNELS, VMEM_LIMIT_BYTES
 
-__all__ = ["Static", "forward", "backward", "sigmoid"]
+__all__ = ["Static", "forward", "backward", "sigmoid", "pool_call"]
 
 _SQUEEZED = pl.Squeezed()
 
@@ -127,6 +127,30 @@ def sigmoid(v):
     bias and SiLU ran 9% faster with it on a TPU v5e (benchmarks/NOTES.md); float32
     either way, the two differ by a few float32 ulps."""
     return 0.5 * jnp.tanh(0.5 * v) + 0.5
+
+
+def pool_call(kernel, *, x, pool, prefetch: int, grid: tuple, tokens: pl.BlockSpec, channels: int, problem,
+              scratch: list, name: str, interpret: bool):
+    """The ``pallas_call`` of a kernel over a pool of slots (the decode step's and the mixed
+    step's): ``prefetch`` scalar arrays, then x by ``tokens`` (a block of channel block
+    ``c``, the grid's first axis), the weight ``[W, channels]`` and the bias ``[1,
+    channels]`` (where the problem has one) of block ``c``, the pool left in HBM; results y
+    like x and the pool, aliased to its operand. ``x``, ``pool``: ``(shape, dtype)``; both
+    grid axes ``arbitrary`` (the DMAs and carries run in grid order)."""
+    shared = lambda height: pl.BlockSpec((height, channels), lambda c, *_: (0, c))  # noqa: E731
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs = [tokens, shared(problem.width)] + ([shared(1)] if problem.has_bias else []) + [hbm]
+    return pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(*x), jax.ShapeDtypeStruct(*pool)],
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=prefetch, grid=grid, in_specs=in_specs,
+                                               out_specs=[tokens, hbm], scratch_shapes=scratch),
+        input_output_aliases={prefetch + len(in_specs) - 1: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary"),
+                                             vmem_limit_bytes=VMEM_LIMIT_BYTES),
+        interpret=interpret,
+        name=name,
+    )
 
 
 def _unpack(refs, names):
