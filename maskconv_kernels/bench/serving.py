@@ -253,8 +253,8 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
         ts = [t / steps_per_call for t in ts]
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
-    for name in times:
-        if BASELINE in times and name != BASELINE:
+    if BASELINE in times:
+        for name in set(times) - {BASELINE}:
             rows[name][f"vs_{BASELINE}"] = rows[BASELINE]["median_s"] / rows[name]["median_s"]
     probe = _unread_slots_nan(step)
     outputs = {name: c(step) for name, c in compiled.items()}

@@ -69,11 +69,10 @@ def _act(pre, s: MixedStatic):
     return pre * sigmoid(pre) if s.problem.silu else pre
 
 
-def _token(i: int, k, scalars, tokens: int, requests: int):
+def _token(i: int, k, owner_ref, within_ref, tokens: int, requests: int):
     """Token ``i`` of tile ``k``: ``(t, r, j, live)``: its index in the step (clamped), its
     request (``R`` for padding), its index in the request, and whether it is a request's
     token (not padding, not past ``T``)."""
-    qsl_ref, reads_ref, _, owner_ref, within_ref = scalars
     t_raw = k * tokens + i
     t = jnp.minimum(t_raw, owner_ref.shape[0] - 1)
     r = owner_ref[t]
@@ -81,14 +80,12 @@ def _token(i: int, k, scalars, tokens: int, requests: int):
     return t, r, within_ref[t], live
 
 
-def _slot_copy(pool_hbm, buf, sem, slot, i: int, s: MixedStatic, cols):
+def _slot_copy(pool_hbm, buf, sem, slot, i: int, s: MixedStatic, cols, to_pool: bool):
+    """The DMA between slot ``slot`` of the pool and row ``i`` of ``buf`` (its first ``S``
+    rows), into the pool or out of it."""
     here = buf.at[i] if buf.shape[1] == s.state_len else buf.at[i, pl.ds(0, s.state_len)]
-    return pltpu.make_async_copy(pool_hbm.at[jnp.maximum(slot, 0), :, cols], here, sem)
-
-
-def _state_copy(pool_hbm, buf, sem, slot, i: int, s: MixedStatic, cols):
-    here = buf.at[i] if buf.shape[1] == s.state_len else buf.at[i, pl.ds(0, s.state_len)]
-    return pltpu.make_async_copy(here, pool_hbm.at[jnp.maximum(slot, 0), :, cols], sem)
+    there = pool_hbm.at[jnp.maximum(slot, 0), :, cols]
+    return pltpu.make_async_copy(*((here, there) if to_pool else (there, here)), sem)
 
 
 def _kernel(qsl_ref, reads_ref, writes_ref, owner_ref, within_ref, x_ref, w_ref, *refs, s: MixedStatic,
@@ -107,11 +104,10 @@ def _kernel(qsl_ref, reads_ref, writes_ref, owner_ref, within_ref, x_ref, w_ref,
     if s.problem.has_bias:
         bias_ref, *refs = refs
     pool_in, y_ref, pool_out, got, got32, put, put32, frame, sem_in, sem_out = refs
-    scalars = (qsl_ref, reads_ref, writes_ref, owner_ref, within_ref)
     c, k = pl.program_id(0), pl.program_id(1)
     tile, sl, h = s.tile, s.state_len, s.halo
     cols = slice(None) if s.channels == dim else pl.ds(pl.multiple_of(c * s.channels, 128), s.channels)
-    token = functools.partial(_token, k=k, scalars=scalars, tokens=tile, requests=requests)
+    token = functools.partial(_token, k=k, owner_ref=owner_ref, within_ref=within_ref, tokens=tile, requests=requests)
 
     def reads_slot(i):
         """Whether row ``i`` holds a slot this tile reads: its request starts there, or it is
@@ -126,7 +122,7 @@ def _kernel(qsl_ref, reads_ref, writes_ref, owner_ref, within_ref, x_ref, w_ref,
 
         @pl.when(need & (code >= 0))
         def _():
-            _slot_copy(pool_in, got, sem_in, code, i, s, cols).start()
+            _slot_copy(pool_in, got, sem_in, code, i, s, cols, to_pool=False).start()
 
         @pl.when(need & ((code == ZEROS) | (code == PAD)))
         def _():
@@ -141,7 +137,7 @@ def _kernel(qsl_ref, reads_ref, writes_ref, owner_ref, within_ref, x_ref, w_ref,
 
         @pl.when(need & (code >= 0))
         def _():
-            _slot_copy(pool_in, got, sem_in, code, i, s, cols).wait()
+            _slot_copy(pool_in, got, sem_in, code, i, s, cols, to_pool=False).wait()
 
     got32[:, :sl] = got[:, :sl].astype(jnp.float32)
 
@@ -208,14 +204,14 @@ def _kernel(qsl_ref, reads_ref, writes_ref, owner_ref, within_ref, x_ref, w_ref,
                     v = jnp.where(j == jj, got32[slot_row, jj + 1 + srow:jj + 2 + srow], v)
                 put32[i, srow:srow + 1] = v
             put[i:i + 1, :sl] = put32[i:i + 1, :sl].astype(put.dtype)  # whole packed tiles for 16-bit pools
-            _state_copy(pool_out, put, sem_out, slot, i, s, cols).start()
+            _slot_copy(pool_out, put, sem_out, slot, i, s, cols, to_pool=True).start()
 
     for i in range(tile):
         write, slot, _ = writes_state(i)
 
         @pl.when(write)
         def _():
-            _state_copy(pool_out, put, sem_out, slot, i, s, cols).wait()
+            _slot_copy(pool_out, put, sem_out, slot, i, s, cols, to_pool=True).wait()
 
 
 def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool):
