@@ -200,3 +200,69 @@ def test_a_mixed_serving_step_named_lowers_for_tpu_to_one_kernel_on_the_donated_
     for op in re.finditer(r"stablehlo\.(scatter|gather)", text):
         result = text[op.end():].split("->", 1)[1].split(None, 1)[0]
         assert re.fullmatch(r"tensor<\d+xi32>", result), (op.group(0), result)
+
+
+def _mixed_oracle(x, pool, w, bias, qsl, reads, writes, problem):
+    """float64: each request's outputs over its slot's last inputs (zeros where it reads
+    none, NaN outside the pool) then its tokens, and the pool with its last ``S`` inputs
+    written; pad rows and padding tokens: zeros out, nothing written."""
+    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import NAN, PAD, ZEROS
+
+    x, pool, w = (np.asarray(a, np.float64) for a in (x, pool, w))
+    y, new, sl = np.zeros_like(x), pool.copy(), pool.shape[1]
+    for r, code in enumerate(reads):
+        tokens = x[qsl[r]:qsl[r + 1]]
+        if code == PAD or not len(tokens):
+            continue
+        slot = {ZEROS: np.zeros_like(pool[0]), NAN: np.full_like(pool[0], np.nan)}.get(code, pool[max(code, 0)])
+        seq = np.concatenate([slot, tokens])
+        pre = sum(w[t] * seq[sl - problem.back(t):sl - problem.back(t) + len(tokens)] for t in range(problem.width))
+        pre = pre + np.asarray(bias, np.float64)
+        y[qsl[r]:qsl[r + 1]] = pre / (1 + np.exp(-pre))
+        if writes[r] >= 0:
+            new[writes[r]] = seq[-sl:]
+    return y, new
+
+
+@pytest.mark.parametrize("width, dilation, state_len, x_dtype, pool_dtype",
+                         [(4, 1, 3, F32, F32), (3, 2, 5, BF16, BF16), (4, 1, 3, BF16, F32)],
+                         ids=["W4_f32", "W3_d2_S5_bf16_bf16pool", "W4_bf16_f32pool"])
+def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilation, state_len, x_dtype, pool_dtype):
+    """The mixed step's kernel alone, at tiles of 16 tokens and blocks of 128 channels: 150
+    tokens (ten tiles, the last partial) of requests of 0 to 37 tokens begun in one tile and
+    ended tiles later (two of them with their first tokens, which read the slot, in two
+    tiles), decode tokens back to back, fresh rows (zeros), a slot outside the
+    pool (NaN), pad rows, NaN padding tokens after the last request and NaN in every slot
+    not read: outputs within rounding of a float64 oracle, states bit for bit."""
+    from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
+    from maskconv_kernels.ops.causal_conv1d.checks import problem_of
+    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import NAN, PAD, ZEROS
+
+    rng = np.random.default_rng(width + state_len)
+    lengths = [1, 1, 20, 2, 1, 37, 0, 3, 1, 1, 30, 5, 1, 17, 7, 2]  # requests 7 and 15 cross a tile's end
+    codes = [4, 9, 1, ZEROS, 7, 12, 3, 8, PAD, 0, 15, NAN, 5, ZEROS, 6, 11]
+    writes = [c if c >= 0 else (13 if c == ZEROS else -1) for c in codes]
+    writes[13] = 14
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens, dim, slots = 150, 256, 16
+    x = rng.standard_normal((tokens, dim)).astype(np.float32)
+    x[qsl[-1]:] = np.nan
+    x[qsl[8]:qsl[9]] = np.nan  # the pad row's token
+    pool = np.full((slots, state_len, dim), np.nan, np.float32)
+    for c in codes:
+        if c >= 0:
+            pool[c] = rng.standard_normal((state_len, dim))
+    w, bias = rng.standard_normal((width, dim)).astype(np.float32) * 0.5, rng.standard_normal(dim).astype(np.float32)
+    x, pool = jnp.asarray(x, x_dtype), jnp.asarray(pool, pool_dtype)
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    owner = np.concatenate([owner, np.full(tokens - len(owner), len(lengths))]).astype(np.int32)
+    within = (np.arange(tokens) - np.append(qsl, qsl[-1])[owner]).astype(np.int32)
+    problem = problem_of(x[None], jnp.asarray(w), jnp.asarray(bias), None, pool, activation="silu", dilation=dilation)
+    y, new = tpu.step(x, pool, jnp.asarray(w), jnp.asarray(bias), jnp.asarray(qsl), jnp.asarray(codes, jnp.int32),
+                      jnp.asarray(writes, jnp.int32), jnp.asarray(owner), jnp.asarray(within), problem=problem,
+                      config=Config(step_tokens=16, step_channels=128), interpret=INTERPRET)
+    ry, rnew = _mixed_oracle(x, pool, w, bias, qsl, codes, writes, problem)
+    np.testing.assert_allclose(np.asarray(y, np.float64), ry, rtol=2e-2 if x_dtype == BF16 else 1e-5,
+                               atol=2e-2 if x_dtype == BF16 else 1e-5)
+    assert np.isfinite(np.asarray(y, np.float32)[qsl[8]:qsl[9]]).all() and not np.asarray(y)[qsl[-1]:].any()
+    np.testing.assert_array_equal(np.asarray(new, np.float64), np.asarray(jnp.asarray(rnew, pool_dtype), np.float64))

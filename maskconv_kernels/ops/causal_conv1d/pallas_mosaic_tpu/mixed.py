@@ -4,34 +4,41 @@ A scheduler step's tokens are ragged: request ``r`` owns rows ``[qsl[r], qsl[r +
 the flat ``x [T, D]``, and each of its outputs reads its own earlier tokens or, for its
 first ``(W - 1) * dilation`` tokens, the slot of the pool it names. ``step`` is one
 ``pallas_call`` over tiles of ``tile`` tokens (and blocks of channels), with the pool left
-in HBM and aliased to the new pool, as the decode kernel (:mod:`.decode`) keeps it:
+in HBM and aliased to the new pool, as the decode kernel (:mod:`.decode`) keeps it.
 
-* **every output is computed densely** over the tile, from a float32 frame holding the
-  tile's tokens after the previous tile's last ``H`` (a VMEM carry along the grid's tile
-  axis), as the forward kernel computes it;
-* **the tokens whose taps reach before their request's first token are computed again,
-  alone**, as ``[1, channels]`` rows at their static row of the tile, each tap's input
-  selected (``where``, on a per-token scalar) between the frame and the request's slot,
-  and stored over the dense row. Positions in the tile are static throughout: what varies
-  from step to step are scalars (each token's request and index in it, read from SMEM),
-  never an offset into a vector (the design of tpu-inference's ragged kernel, ported);
-* each request's slot is read by one DMA at the tile of its first token (and at the next
-  tiles while its tokens still reach it), and its new state, the last ``S`` inputs of its
-  slot and tokens, is assembled at its last token's row and written by one DMA.
+Scalar work is per request, vector work per tile; nothing is per token:
+
+* **slots in**: each request whose first token is row ``p`` of the tile has its slot
+  DMA'd to row ``p`` of a ``[tile, S, channels]`` buffer (a loop over the tile's requests,
+  with run-time bounds); row ``q`` of every slot at once, ``got[:, q, :]`` (a strided
+  load), is then "slot input ``q`` of the request starting at each row";
+* **outputs**: tap ``b`` rows back of token ``i`` reads the float32 frame (the tile's
+  tokens after the previous tile's last ``H``, a VMEM carry) at row ``i - b`` when the
+  token's index in its request ``j = within[i] >= b``, and otherwise slot input ``S - b
+  + j`` of the request starting at row ``i - j``: for each ``j < b``, a static shift of
+  that strided load, selected by ``where`` on the ``within`` column. The shifted loads
+  come from ``[H + tile, channels]`` buffers carried like the frame, so a request begun
+  in an earlier tile still finds its slot;
+* **states out**: the same selection gives, at every row, the state a request ending
+  there would leave (its last ``S`` inputs of slot and tokens); stored as rows of a
+  ``[tile, S, channels]`` buffer (strided stores), each ending request's is written to
+  its slot by one DMA.
 
 **Exactness.** A token's output is ``act(bias + sum_t w[t] * v_t)`` in float32 in tap
-order, rounded once, where ``v_t`` is its own request's input or its slot's: the dense
-rows that read another request's tokens (or the zeros before the first tile) are exactly
-the ones computed again, so no value crosses from one request to another, and a NaN in an
-unread slot is never loaded (``has_initial_state`` false, pad rows: a zero fill). New
-states are copies. Within rounding of XLA's composition (the tanh form of the sigmoid),
-not bit for bit.
+order, rounded once, where ``v_t`` is its own request's input or its slot's: a row is
+taken from another request's tokens or slot only where ``where`` discards it, so no value
+crosses from one request to another, and a NaN in an unread slot is never loaded
+(``has_initial_state`` false: a zero fill; pad rows: zeros out, no read). New states are
+copies. Within rounding of XLA's composition (the tanh form of the sigmoid), not bit for
+bit.
 
 Scalar-prefetched (SMEM): ``qsl [R + 1]``, ``reads [R]`` (the decode kernel's codes: a
-slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`), ``writes [R]`` (a slot or ``-1``),
-``owner [T]`` (each token's request, ``R`` for padding) and ``within [T]`` (its index in
-its request). Taken for steps whose requests write the slots they read (each slot read
-by one request at most), ``state_len >= (W - 1) * dilation``.
+slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`), ``writes [R]`` (a slot or ``-1``), and
+per tile ``k`` the requests whose first (``first[k]`` to ``first[k + 1]``) and last
+(``last[k]`` to ``last[k + 1]``) tokens lie in it. Blocked like x: ``within [tiles *
+tile, 1]``, each token's index in its request, ``-1`` for padding and pad rows (zeros
+out). Taken for steps whose requests write the slots they read (each slot read by one
+request at most), ``state_len >= (W - 1) * dilation``.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import dataclasses
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -69,149 +77,154 @@ def _act(pre, s: MixedStatic):
     return pre * sigmoid(pre) if s.problem.silu else pre
 
 
-def _token(i: int, k, owner_ref, within_ref, tokens: int, requests: int):
-    """Token ``i`` of tile ``k``: ``(t, r, j, live)``: its index in the step (clamped), its
-    request (``R`` for padding), its index in the request, and whether it is a request's
-    token (not padding, not past ``T``)."""
-    t_raw = k * tokens + i
-    t = jnp.minimum(t_raw, owner_ref.shape[0] - 1)
-    r = owner_ref[t]
-    live = (t_raw < owner_ref.shape[0]) & (r < requests)
-    return t, r, within_ref[t], live
-
-
-def _slot_copy(pool_hbm, buf, sem, slot, i: int, s: MixedStatic, cols, to_pool: bool):
-    """The DMA between slot ``slot`` of the pool and row ``i`` of ``buf`` (its first ``S``
+def _slot_copy(pool_hbm, buf, sem, slot, p, s: MixedStatic, cols, to_pool: bool):
+    """The DMA between slot ``slot`` of the pool and row ``p`` of ``buf`` (its first ``S``
     rows), into the pool or out of it."""
-    here = buf.at[i] if buf.shape[1] == s.state_len else buf.at[i, pl.ds(0, s.state_len)]
+    here = buf.at[p] if buf.shape[1] == s.state_len else buf.at[p, pl.ds(0, s.state_len)]
     there = pool_hbm.at[jnp.maximum(slot, 0), :, cols]
     return pltpu.make_async_copy(*((here, there) if to_pool else (there, here)), sem)
 
 
-def _kernel(qsl_ref, reads_ref, writes_ref, owner_ref, within_ref, x_ref, w_ref, *refs, s: MixedStatic,
-            dim: int, requests: int):
+def _slot_rows(s: MixedStatic) -> tuple[int, ...]:
+    """The rows ``q`` of a slot some output or state reads: ``S - b + j`` for a tap ``b``
+    rows back and a token ``j < b`` of its request; ``j + 1 + srow`` for state row ``srow``
+    of a request of ``j + 1 < S - srow`` tokens."""
+    sl, p = s.state_len, s.problem
+    taps = {sl - p.back(t) + j for t in range(p.width) for j in range(p.back(t))}
+    return tuple(sorted(taps | set(range(1, sl))))
+
+
+def _chosen(frame_rows, slot_row, within, back: int, first: int, h: int, tile: int):
+    """Rows of the tile ``back`` inputs before each token: the frame's where its request
+    has them (``within >= back``), else input ``first + j`` of its request's slot, ``j =
+    within``: ``slot_row(q)`` is the ``[H + tile, channels]`` buffer of slot inputs ``q``
+    by the row of their request's first token."""
+    v = frame_rows
+    for j in range(back):
+        v = jnp.where(within == j, slot_row(first + j)[h - j:h - j + tile], v)
+    return v
+
+
+def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, within_ref, x_ref, w_ref, *refs, s: MixedStatic,
+            dim: int):
     """One ``[tile, channels]`` block of the outputs, and the new states of the requests
     whose last token lies in it.
 
-    Refs: the five scalar arrays (SMEM); x ``[tile, channels]``; w ``[W, channels]`` and
-    bias ``[1, channels]`` float32; the pool in HBM ``[slots, S, D]``; y ``[tile,
-    channels]``; the new pool (the same buffer); scratch: the slots read ``[tile, P,
-    channels]`` in the pool's dtype (row ``i``: the slot of the request whose first token,
-    or the tile's first token, is row ``i``) and in float32; the states to write (row ``i``:
-    the request whose last token is row ``i``), in the pool's dtype and in float32; the
-    float32 frame ``[H + tile, channels]``; a DMA semaphore for reads and one for writes.
+    Refs: the five scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
+    channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
+    ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch: the
+    slots read ``[tile, P, channels]`` (row ``p``: the slot of the request whose first
+    token is row ``p``) in float32 and, for a 16-bit pool, in its dtype; the states to
+    write likewise (row ``p``: the request whose last token is row ``p``); the float32
+    frame ``[H + tile, channels]``; the slot inputs by row ``[Q, H + tile, channels]``; a
+    DMA semaphore for reads and one for writes.
     """
     if s.problem.has_bias:
         bias_ref, *refs = refs
-    pool_in, y_ref, pool_out, got, got32, put, put32, frame, sem_in, sem_out = refs
+    pool_in, y_ref, pool_out, got32, put32, frame, by_row, sem_in, sem_out, *packed = refs
+    got, put = packed if packed else (got32, put32)
     c, k = pl.program_id(0), pl.program_id(1)
     tile, sl, h = s.tile, s.state_len, s.halo
     cols = slice(None) if s.channels == dim else pl.ds(pl.multiple_of(c * s.channels, 128), s.channels)
-    token = functools.partial(_token, k=k, owner_ref=owner_ref, within_ref=within_ref, tokens=tile, requests=requests)
+    base = k * tile
 
-    def reads_slot(i):
-        """Whether row ``i`` holds a slot this tile reads: its request starts there, or it is
-        the tile's first token and its request's slot is still read (``j < S``)."""
-        _, r, j, live = token(i)
-        first = (j == 0) if i else (j < sl)
-        return live & first, reads_ref[jnp.minimum(r, requests - 1)]
+    def starting(r):
+        """Request ``r`` (whose first token is in this tile): its row, whether it has
+        tokens, its read code."""
+        return qsl_ref[r] - base, qsl_ref[r + 1] > qsl_ref[r], reads_ref[r]
 
-    # The slots: a DMA each, all started, then all waited (one tile's worth).
-    for i in range(tile):
-        need, code = reads_slot(i)
+    def fetch(r, carry):
+        p, some, code = starting(r)
 
-        @pl.when(need & (code >= 0))
+        @pl.when(some & (code >= 0))
         def _():
-            _slot_copy(pool_in, got, sem_in, code, i, s, cols, to_pool=False).start()
+            _slot_copy(pool_in, got, sem_in, code, p, s, cols, to_pool=False).start()
 
-        @pl.when(need & ((code == ZEROS) | (code == PAD)))
+        @pl.when(some & (code == ZEROS))
         def _():
-            got[i:i + 1, :sl] = jnp.zeros((1, sl, s.channels), got.dtype)
+            got32[pl.ds(p, 1), :sl] = jnp.zeros((1, sl, s.channels), jnp.float32)
 
-        @pl.when(need & (code == NAN))
+        @pl.when(some & (code == NAN))
         def _():
-            got[i:i + 1, :sl] = jnp.full((1, sl, s.channels), jnp.nan, got.dtype)
+            got32[pl.ds(p, 1), :sl] = jnp.full((1, sl, s.channels), jnp.nan, jnp.float32)
 
-    for i in range(tile):
-        need, code = reads_slot(i)
+        return carry
 
-        @pl.when(need & (code >= 0))
+    def landed(r, carry):
+        p, some, code = starting(r)
+
+        @pl.when(some & (code >= 0))
         def _():
-            _slot_copy(pool_in, got, sem_in, code, i, s, cols, to_pool=False).wait()
+            _slot_copy(pool_in, got, sem_in, code, p, s, cols, to_pool=False).wait()
+            if packed:
+                got32[pl.ds(p, 1), :sl] = got[pl.ds(p, 1), :sl].astype(jnp.float32)
 
-    got32[:, :sl] = got[:, :sl].astype(jnp.float32)
+        return carry
 
-    # The frame: the previous tile's last H rows (zeros before the first), then this tile's.
-    @pl.when(k == 0)
-    def _():
-        frame[:h] = jnp.zeros((h, s.channels), jnp.float32)
+    lax.fori_loop(first_ref[k], first_ref[k + 1], fetch, 0)
+    lax.fori_loop(first_ref[k], first_ref[k + 1], landed, 0)
+
+    # The frame and the slot inputs by row: the previous tile's last H rows, then this tile's.
+    rows = _slot_rows(s)
 
     @pl.when(k > 0)
     def _():
         frame[:h] = frame[tile:tile + h]
+        for n in range(len(rows)):
+            by_row[n, :h] = by_row[n, tile:tile + h]
+
+    @pl.when(k == 0)
+    def _():
+        frame[:h] = jnp.zeros((h, s.channels), jnp.float32)
 
     frame[h:] = x_ref[...].astype(jnp.float32)
-    width = s.problem.width
+    for n, q in enumerate(rows):
+        by_row[n, h:] = got32[:, q, :]
+    slot_row = lambda q: by_row.at[rows.index(q)]  # noqa: E731
+    within = within_ref[...]
+
     pre = jnp.zeros((tile, s.channels), jnp.float32)
     if s.problem.has_bias:
         pre = pre + bias_ref[...]
-    for tap in range(width):
-        at = h - s.problem.back(tap)
-        pre = pre + w_ref[tap:tap + 1, :] * frame[at:at + tile]
-    y_ref[...] = _act(pre, s).astype(y_ref.dtype)
+    for tap in range(s.problem.width):
+        back = s.problem.back(tap)
+        v = _chosen(frame[h - back:h - back + tile], slot_row, within, back, sl - back, h, tile)
+        pre = pre + w_ref[tap:tap + 1, :] * v
+    act = pre * sigmoid(pre) if s.problem.silu else pre
+    y_ref[...] = jnp.where(within < 0, 0.0, act).astype(y_ref.dtype)
 
-    # The tokens whose taps reach their slot, alone; padding and pad rows: zeros.
-    window = s.problem.state_len
-    for i in range(tile):
-        _, r, j, live = token(i)
-        live = live & (reads_ref[jnp.minimum(r, requests - 1)] != PAD)
-        slot_row = jnp.maximum(i - j, 0)  # the row of ``got32`` holding its request's slot
+    # Every row's would-be state: input srow of it is d = S - 1 - srow before the row's token.
+    for srow in range(sl):
+        d = sl - 1 - srow
+        put32[:, srow, :] = _chosen(frame[h - d:h - d + tile], slot_row, within, d, srow + 1, h, tile)
 
-        @pl.when(~live)
-        def _():
-            y_ref[i:i + 1] = jnp.zeros((1, s.channels), y_ref.dtype)
+    def ending(r):
+        """Request ``r`` (whose last token is in this tile): its last token's row and
+        whether it writes (it has tokens and a slot)."""
+        return qsl_ref[r + 1] - 1 - base, (qsl_ref[r + 1] > qsl_ref[r]) & (writes_ref[r] >= 0), writes_ref[r]
 
-        @pl.when(live & (j < window))
-        def _():
-            row = jnp.zeros((1, s.channels), jnp.float32)
-            if s.problem.has_bias:
-                row = row + bias_ref[...]
-            for tap in range(width):
-                back = s.problem.back(tap)
-                v = frame[h + i - back:h + i - back + 1]
-                for jj in range(back):  # token jj of its request reads its slot's input S - back + jj
-                    v = jnp.where(j == jj, got32[slot_row, sl - back + jj:sl - back + jj + 1], v)
-                row = row + w_ref[tap:tap + 1, :] * v
-            y_ref[i:i + 1] = _act(row, s).astype(y_ref.dtype)
-
-    # The new states: at each request's last token, its slot's and tokens' last S inputs.
-    def writes_state(i):
-        _, r, j, live = token(i)
-        rr = jnp.minimum(r, requests - 1)
-        last = live & (k * tile + i == qsl_ref[rr + 1] - 1)
-        return last & (writes_ref[rr] >= 0), writes_ref[rr], j
-
-    for i in range(tile):
-        write, slot, j = writes_state(i)
-        slot_row = jnp.maximum(i - j, 0)
+    def store(r, carry):
+        p, write, slot = ending(r)
 
         @pl.when(write)
         def _():
-            for srow in range(sl):  # input srow of the state is d = S - 1 - srow before the last token
-                d = sl - 1 - srow
-                v = frame[h + i - d:h + i - d + 1]
-                for jj in range(d):  # a request of jj + 1 tokens: the slot's input jj + 1 + srow
-                    v = jnp.where(j == jj, got32[slot_row, jj + 1 + srow:jj + 2 + srow], v)
-                put32[i, srow:srow + 1] = v
-            put[i:i + 1, :sl] = put32[i:i + 1, :sl].astype(put.dtype)  # whole packed tiles for 16-bit pools
-            _slot_copy(pool_out, put, sem_out, slot, i, s, cols, to_pool=True).start()
+            if packed:
+                put[pl.ds(p, 1), :sl] = put32[pl.ds(p, 1), :sl].astype(put.dtype)
+            _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).start()
 
-    for i in range(tile):
-        write, slot, _ = writes_state(i)
+        return carry
+
+    def stored(r, carry):
+        p, write, slot = ending(r)
 
         @pl.when(write)
         def _():
-            _slot_copy(pool_out, put, sem_out, slot, i, s, cols, to_pool=True).wait()
+            _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).wait()
+
+        return carry
+
+    lax.fori_loop(last_ref[k], last_ref[k + 1], store, 0)
+    lax.fori_loop(last_ref[k], last_ref[k + 1], stored, 0)
 
 
 def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool):
@@ -219,34 +232,42 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     rows), and the pool with each request's new state written (the same buffer, aliased).
 
     ``x [T, D]``; ``pool [slots, S, D]``; ``w [W, D]`` and ``bias [1, D]`` (or ``None``)
-    float32; ``qsl [R + 1]``, ``reads``, ``writes [R]``, ``owner``, ``within [T]`` int32
-    (the module docstring).
+    float32; ``qsl [R + 1]``, ``reads``, ``writes [R]`` int32 (the module docstring);
+    ``owner``, ``within [T]`` int32: each token's request (``R`` for padding) and its index
+    in it.
     """
-    call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype),
-                 int(reads.shape[0]), bool(interpret))
-    operands = [x, w] + ([bias] if s.problem.has_bias else []) + [pool]
-    return call(qsl, reads, writes, owner, within, *operands)
+    tokens, requests = x.shape[0], reads.shape[0]
+    tiles = cdiv(tokens, s.tile)
+    live = (owner < requests) & (jnp.take(reads, jnp.minimum(owner, requests - 1)) != PAD)
+    within = jnp.pad(jnp.where(live, within, -1), (0, tiles * s.tile - tokens), constant_values=-1)[:, None]
+    edges = jnp.arange(tiles + 1, dtype=jnp.int32) * s.tile
+    first = jnp.searchsorted(qsl[:-1], edges, side="left", method="compare_all")  # requests starting before each edge
+    last = jnp.searchsorted(qsl[1:], edges, side="right", method="compare_all")  # requests ending at or before it
+    call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
+    operands = [within, x, w] + ([bias] if s.problem.has_bias else []) + [pool]
+    return call(qsl, reads, writes, first.astype(jnp.int32), last.astype(jnp.int32), *operands)
 
 
 @functools.lru_cache(maxsize=64)
-def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype, requests: int, interpret: bool):
+def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype, interpret: bool):
     """The ``pallas_call`` for these shapes, built once."""
     tokens, dim = x_shape
-    slab = round_up(s.state_len, 8) if pool_dtype.itemsize == 4 else s.state_len  # as the decode kernel's
     grid = (dim // s.channels, cdiv(tokens, s.tile))
     tile = pl.BlockSpec((s.tile, s.channels), lambda c, k, *_: (k, c))
     rows = round_up(s.state_len, 8)
+    slots32 = [pltpu.VMEM((s.tile, rows, s.channels), jnp.float32) for _ in range(2)]
+    packed = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, s.state_len, s.channels), pool_dtype)] * 2
     return pool_call(
-        functools.partial(_kernel, s=s, dim=dim, requests=requests),
+        functools.partial(_kernel, s=s, dim=dim),
         x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=5, grid=grid, tokens=tile,
+        ids=pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0)),
         channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
         scratch=[
-            pltpu.VMEM((s.tile, slab, s.channels), pool_dtype),
-            pltpu.VMEM((s.tile, rows, s.channels), jnp.float32),
-            pltpu.VMEM((s.tile, slab, s.channels), pool_dtype),
-            pltpu.VMEM((s.tile, rows, s.channels), jnp.float32),
+            *slots32,
             pltpu.VMEM((s.halo + s.tile, s.channels), jnp.float32),
+            pltpu.VMEM((len(_slot_rows(s)), s.halo + s.tile, s.channels), jnp.float32),
             pltpu.SemaphoreType.DMA(()),
             pltpu.SemaphoreType.DMA(()),
+            *packed,
         ],
     )

@@ -1,0 +1,71 @@
+"""Probe: the mixed step's kernel alone at several (tokens, channels) per grid step, at the serving benchmark's shapes.
+
+    python -m benchmarks.probes.tpu_mixed_tiles              # on a TPU
+    python -m benchmarks.probes.tpu_mixed_tiles --interpret  # anywhere (tiny shapes; checks it runs)
+
+``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
+SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
+each run 50 times a call with the pool carried in place (``bench.serving.in_place``), through
+``pallas_mosaic_tpu.step`` with ``Config(step_tokens=..., step_channels=...)``: one JSON
+line per shape and config with the time per step and the fraction of the step's bytes'
+roofline at 820 GB/s. The outputs are checked against the composition's (XLA) each time.
+"""
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maskconv_kernels.bench.serving import PRESETS, _shape, ideal_bytes, in_place, make_step, ours
+from maskconv_kernels.bench.timing import median_times
+from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
+from maskconv_kernels.ops.causal_conv1d.checks import problem_of
+from maskconv_kernels.ops.causal_conv1d.step import _owners
+from maskconv_kernels.ops.causal_conv1d.update import slot_codes
+
+INTERPRET = "--interpret" in sys.argv or jax.default_backend() != "tpu"
+SHAPES = (_shape(8, 256, chunk=20),) if INTERPRET else PRESETS["tpu"][1]
+CONFIGS = ((16, 128), (32, 256)) if INTERPRET else ((64, 1024), (128, 1024), (256, 1024), (128, 2048), (256, 512))
+STEPS = 2 if INTERPRET else 50
+
+
+def kernel(config):
+    def f(s):
+        fresh = jnp.logical_not(s.has_initial_state)
+        reads, writes = slot_codes(s.state_indices, s.state_indices, fresh, s.pool.shape[0])
+        owner = _owners(s.query_start_loc, s.x.shape[0])
+        within = jnp.arange(s.x.shape[0], dtype=jnp.int32) - jnp.take(s.query_start_loc, owner)
+        problem = problem_of(s.x[None], s.weight, s.bias, None, s.pool, activation="silu", dilation=1)
+        return tuple(tpu.step(s.x, s.pool, s.weight, s.bias, s.query_start_loc, reads, writes, owner,
+                              within.astype(jnp.int32), problem=problem, config=tpu.Config(
+                                  step_tokens=config[0], step_channels=config[1]), interpret=INTERPRET))
+    return f
+
+
+def main():
+    for shape in SHAPES:
+        step = make_step(shape, "mixed", jnp.bfloat16)
+        roofline = ideal_bytes(shape, "mixed", jnp.bfloat16, step.pool.dtype) / 820e9
+        ref_y, ref_pool = jax.jit(ours(shape, "mixed", "xla"))(step)
+        fns = {"composition": jax.jit(in_place(ours(shape, "mixed"), STEPS))}
+        for config in CONFIGS:
+            row = dict(shape=shape.name, tokens=int(step.x.shape[0]), tile=config[0], channels=config[1])
+            try:
+                y, pool = jax.jit(kernel(config))(step)
+                row.update(max_abs_diff=float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref_y.astype(jnp.float32)))),
+                           states_equal=bool(np.array_equal(np.asarray(pool[step.state_indices]),
+                                                            np.asarray(ref_pool[step.state_indices]))))
+                fns[f"{config[0]}x{config[1]}"] = jax.jit(in_place(kernel(config), STEPS))
+            except Exception as e:  # noqa: BLE001 - a refused config is the finding
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            print(json.dumps(row), flush=True)
+        times = median_times(fns, [(step,)], 5 if INTERPRET else 10)
+        for name, t in times.items():
+            per_step = t / STEPS
+            print(json.dumps(dict(shape=shape.name, config=name, median_s=per_step, roofline_s=roofline,
+                                  frac_roofline=roofline / per_step)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
