@@ -16,8 +16,6 @@ timed call reuses its inputs; ``--steps-per-call N`` runs N steps a call in a lo
 carries the pool in place instead, and gives the time per step):
 
 * ``causal_conv1d_step``: this library, ``implementation=None``;
-* ``causal_conv1d_step[pallas_mosaic_tpu]`` (``mixed``, on a TPU): the same with the mixed
-  step's kernel named, until it is timed and made the default;
 * ``gather+lax.conv+scatter`` (``decode`` and ``mixed``): the code users write today:
   gather each request's slot, place its tokens after it in a dense ``(R, W - 1 + n_max,
   D)`` block, ``lax.conv_general_dilated`` depthwise with ``VALID`` padding, take the
@@ -55,7 +53,6 @@ from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_gr
 
 KINDS = ("decode", "mixed", "prefix")
 OURS, BASELINE = "causal_conv1d_step", "gather+lax.conv+scatter"
-MIXED_KERNEL = "causal_conv1d_step[pallas_mosaic_tpu]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,8 +223,6 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
     dtype = DTYPES[dtype_name]
     step = make_step(shape, kind, dtype)
     found = {OURS: ours(shape, kind)}
-    if kind == "mixed" and jax.default_backend() == "tpu":  # the mixed step's kernel, named (not yet the default)
-        found[MIXED_KERNEL] = ours(shape, kind, "pallas_mosaic_tpu")
     if kind != "prefix":
         found[BASELINE] = baseline(shape, kind)
     base = {"shape": shape.name, **dataclasses.asdict(shape), "kind": kind, "tokens": int(step.x.shape[0]),

@@ -78,10 +78,10 @@ def causal_conv1d_step(
     ``positions``, checks at run time whether each request has one token, and if so runs
     as :func:`~.update.causal_conv1d_update`'s decode kernel (the pool aliased in HBM, a DMA
     per slot; within rounding of the composition, not bit for bit); named with
-    ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``). Named, any
-    other step without prefix caching, drafts, ``positions`` or ``write_indices`` runs as
-    the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`: one launch, the pool aliased,
-    within rounding of the composition); not yet the TPU's default (untimed).
+    ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``). On a TPU
+    (or named), any other step without prefix caching, drafts, ``positions`` or
+    ``write_indices`` runs as the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`: one
+    launch, the pool aliased, within rounding of the composition).
 
     Args:
       x: ``(T, D)``: the step's tokens, requests back to back, then padding up to ``T``
@@ -195,10 +195,10 @@ def causal_conv1d_step(
 
     otherwise = composed
     if tree is None and path is None and blocks is None and starts is None:
-        if _mixed_launch(implementation, write_indices, state_len):
-            problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
-            REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
-            otherwise = _mixed_step(qsl, read, fresh, owner, within, composed, problem, interpret)
+        problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
+        if _mixed_launch(problem, implementation, interpret, write_indices, state_len):
+            kernel = _mixed_step(qsl, read, fresh, owner, within, composed, problem, interpret)
+            otherwise = kernel if implementation else _on_tpus(kernel, composed)
         if x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
@@ -207,11 +207,25 @@ def causal_conv1d_step(
     return otherwise(x, pool, weight, bias)
 
 
-def _mixed_launch(implementation: str | None, write_indices, state_len: int) -> bool:
-    """Whether a step (no prefix caching, drafts or ``positions``) may run as the mixed
-    step's kernel: named (``"pallas_mosaic_tpu"``; not yet the TPU's default, untimed),
-    each request writing the slot it reads, slots of at least one input."""
-    return implementation == "pallas_mosaic_tpu" and write_indices is None and state_len >= 1
+def _mixed_launch(problem, implementation: str | None, interpret: bool, write_indices, state_len: int) -> bool:
+    """Whether a step (no prefix caching, drafts or ``positions``) runs as the mixed step's
+    kernel: each request writing the slot it reads, slots of at least one input, and the
+    kernel asked for by name (``"pallas_mosaic_tpu"``, checked as the forward would check
+    it), or ``None`` without ``interpret`` for the problems it takes (then on TPUs only,
+    decided when lowered)."""
+    if write_indices is not None or state_len == 0:
+        return False
+    if implementation == "pallas_mosaic_tpu":
+        REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
+        return True
+    return implementation is None and interpret is False and tpu.unsupported(problem, None) is None
+
+
+def _on_tpus(kernel, composed):
+    """``kernel`` where the step is lowered for a TPU, ``composed`` elsewhere."""
+    def step(x, pool, weight, bias):
+        return lax.platform_dependent(x, pool, weight, bias, tpu=kernel, default=composed)
+    return step
 
 
 def _mixed_step(qsl, read, started, owner, within, composed, problem, interpret):

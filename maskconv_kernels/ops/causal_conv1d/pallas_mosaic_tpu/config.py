@@ -50,10 +50,11 @@ class Config:
         A step moves one DMA per row each way, so the fewer channel blocks the better
         (docs/performance.md, TPU v5e: the decode kernel's sweep).
       step_tokens, step_channels: the mixed step's kernel (``causal_conv1d_step``) tokens
-        and channels per grid step: tokens a multiple of 16 from 16 to 256 (a step no
-        longer is one block; each is a row of code, unrolled), channels a multiple of 128
-        up to 2048 (the largest that divides ``D``; ``D`` itself where none does). Its
-        slot buffers hold ``S`` rows a token, so their VMEM grows as tokens x channels.
+        and channels per grid step: tokens a multiple of 8 from 8 to 256 (a step no longer
+        is one block), channels a multiple of 128 up to 2048 (the largest that divides
+        ``D``; ``D`` itself where none does). Its slot buffers hold 8 float32 rows a token
+        (and ``S`` in the pool's dtype for a 16-bit pool), so their VMEM grows as tokens x
+        channels.
 
     The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
     block: the step's DMA overlaps the previous step's arithmetic) and keep the
