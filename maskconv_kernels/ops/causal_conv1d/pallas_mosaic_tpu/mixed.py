@@ -19,10 +19,10 @@ Scalar work is per request, vector work per tile; nothing is per token:
   that strided load, selected by ``where`` on the ``within`` column. The shifted loads
   come from ``[H + tile, channels]`` buffers carried like the frame, so a request begun
   in an earlier tile still finds its slot;
-* **states out**: the same selection gives, at every row, the state a request ending
-  there would leave (its last ``S`` inputs of slot and tokens); stored as rows of a
-  ``[tile, S, channels]`` buffer (strided stores), each ending request's is written to
-  its slot by one DMA.
+* **states out**: the same selections (one per distance back, shared by a tap and a
+  state row) give, at every row, the state a request ending there would leave (its last
+  ``S`` inputs of slot and tokens); stored as rows of a ``[tile, S, channels]`` buffer
+  (strided stores), each ending request's is written to its slot by one DMA.
 
 **Exactness.** A token's output is ``act(bias + sum_t w[t] * v_t)`` in float32 in tap
 order, rounded once, where ``v_t`` is its own request's input or its slot's: a row is
@@ -183,20 +183,24 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, within_ref, x_r
     slot_row = lambda q: by_row.at[rows.index(q)]  # noqa: E731
     within = within_ref[...]
 
+    # Each token's input ``back`` rows before it (its own or its slot's) serves a tap and,
+    # where ``back < S``, row ``S - 1 - back`` of the state a request ending there leaves.
+    def inputs_back(back):
+        return _chosen(frame[h - back:h - back + tile], slot_row, within, back, sl - back, h, tile)
+
     pre = jnp.zeros((tile, s.channels), jnp.float32)
     if s.problem.has_bias:
         pre = pre + bias_ref[...]
-    for tap in range(s.problem.width):
-        back = s.problem.back(tap)
-        v = _chosen(frame[h - back:h - back + tile], slot_row, within, back, sl - back, h, tile)
+    backs = [s.problem.back(tap) for tap in range(s.problem.width)]
+    for tap, back in enumerate(backs):
+        v = inputs_back(back)
+        if back < sl:
+            put32[:, sl - 1 - back, :] = v
         pre = pre + w_ref[tap:tap + 1, :] * v
     act = pre * sigmoid(pre) if s.problem.silu else pre
     y_ref[...] = jnp.where(within < 0, 0.0, act).astype(y_ref.dtype)
-
-    # Every row's would-be state: input srow of it is d = S - 1 - srow before the row's token.
-    for srow in range(sl):
-        d = sl - 1 - srow
-        put32[:, srow, :] = _chosen(frame[h - d:h - d + tile], slot_row, within, d, srow + 1, h, tile)
+    for back in sorted(set(range(sl)) - set(backs)):
+        put32[:, sl - 1 - back, :] = inputs_back(back)
 
     def ending(r):
         """Request ``r`` (whose last token is in this tile): its last token's row and
