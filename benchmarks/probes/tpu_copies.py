@@ -11,7 +11,7 @@ scaling, one asking for three buffers, one with every grid axis ``arbitrary``, o
 the grid's position and channel axes swapped). ``benchmarks/tpu_bandwidth.py`` is the
 benchmark that grew from it.
 """
-import functools, json, statistics, sys, time, traceback
+import functools, json, statistics, sys, time
 import jax, jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu

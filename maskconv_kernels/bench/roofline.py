@@ -100,9 +100,9 @@ def gemm_shapes(spec, batch: int) -> dict[str, tuple[tuple[int, int], tuple[int,
 
 def _strategies(block_sizes) -> dict[str, xla.Config]:
     configs = {s: xla.Config(s) for s in STRATEGIES}
-    for mib in block_sizes:
-        configs[f"gemm {mib:g} MiB"] = xla.Config("gemm", block_bytes=int(mib * 2**20))
-        configs[f"conv_blocks {mib:g} MiB"] = xla.Config("conv_blocks", block_bytes=int(mib * 2**20))
+    for size in block_sizes:  # MiB
+        configs[f"gemm {size:g} MiB"] = xla.Config("gemm", block_bytes=int(size * 2**20))
+        configs[f"conv_blocks {size:g} MiB"] = xla.Config("conv_blocks", block_bytes=int(size * 2**20))
     return configs
 
 

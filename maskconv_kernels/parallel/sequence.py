@@ -12,7 +12,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .._core.history import History
 from ..ops.causal_conv1d import causal_conv1d
 from ..ops.causal_conv1d.checks import make_problem
 from .halo import LAYOUTS
