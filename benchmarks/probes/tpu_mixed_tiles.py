@@ -2,6 +2,7 @@
 
     python -m benchmarks.probes.tpu_mixed_tiles              # on a TPU
     python -m benchmarks.probes.tpu_mixed_tiles --interpret  # anywhere (tiny shapes; checks it runs)
+    python -m benchmarks.probes.tpu_mixed_tiles --parts      # where a grid step's time goes
 
 ``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
 SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
@@ -10,7 +11,13 @@ each run 50 times a call with the pool carried in place (``bench.serving.in_plac
 line per shape and config with the time per step and the fraction of the step's bytes'
 roofline at 820 GB/s, beside the composition (``implementation="xla"``: the TPU's path
 before the kernel). Outputs and written states are checked against the composition's.
+
+``--parts``: where a grid step's time goes, at the default tiles: the kernel timed whole,
+without its slot selections (each tap and state row takes the frame's rows), without its
+slot DMAs (no copy starts or waits), and without both; the variants' values are wrong by
+construction and not checked, only their times are the finding.
 """
+import contextlib
 import json
 import sys
 
@@ -21,6 +28,7 @@ import numpy as np
 from maskconv_kernels.bench.serving import PRESETS, _shape, ideal_bytes, in_place, make_step, ours
 from maskconv_kernels.bench.timing import median_times
 from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import mixed
 from maskconv_kernels.ops.causal_conv1d.checks import problem_of
 from maskconv_kernels.ops.causal_conv1d.step import _owners
 from maskconv_kernels.ops.causal_conv1d.update import slot_codes
@@ -44,7 +52,54 @@ def kernel(config):
     return f
 
 
+class _NoCopy:
+    def start(self):
+        pass
+
+    def wait(self):
+        pass
+
+
+VARIANTS = {
+    "whole": {},
+    "no selections": {"_chosen": lambda frame_rows, *_: frame_rows},
+    "no slot DMAs": {"_slot_copy": lambda *_, **__: _NoCopy()},
+    "neither": {"_chosen": lambda frame_rows, *_: frame_rows, "_slot_copy": lambda *_, **__: _NoCopy()},
+}
+
+
+@contextlib.contextmanager
+def patched(names: dict):
+    """``mixed``'s functions replaced by ``names`` (and its built calls forgotten) while inside."""
+    saved = {name: getattr(mixed, name) for name in names}
+    mixed._call.cache_clear()
+    try:
+        for name, fn in names.items():
+            setattr(mixed, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(mixed, name, fn)
+        mixed._call.cache_clear()
+
+
+def parts():
+    config = CONFIGS[0]
+    for shape in SHAPES:
+        step = make_step(shape, "mixed", jnp.bfloat16)
+        fns = {}
+        for name, names in VARIANTS.items():
+            with patched(names):
+                fns[name] = jax.jit(in_place(kernel(config), STEPS)).lower(step).compile()
+        grid_steps = -(-int(step.x.shape[0]) // config[0]) * (shape.dim // min(shape.dim, config[1]))
+        for name, t in median_times(fns, [(step,)], 5 if INTERPRET else 10).items():
+            print(json.dumps(dict(shape=shape.name, tile=config[0], channels=config[1], variant=name,
+                                  median_s=t / STEPS, per_grid_step_s=t / STEPS / grid_steps)), flush=True)
+
+
 def main():
+    if "--parts" in sys.argv:
+        return parts()
     for shape in SHAPES:
         step = make_step(shape, "mixed", jnp.bfloat16)
         roofline = ideal_bytes(shape, "mixed", jnp.bfloat16, step.pool.dtype) / 820e9
