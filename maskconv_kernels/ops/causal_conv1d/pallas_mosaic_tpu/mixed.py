@@ -35,7 +35,9 @@ bit.
 Scalar-prefetched (SMEM): ``qsl [R + 1]``, ``reads [R]`` (the decode kernel's codes: a
 slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`), ``writes [R]`` (a slot or ``-1``), and
 per tile ``k`` the requests whose first (``first[k]`` to ``first[k + 1]``) and last
-(``last[k]`` to ``last[k + 1]``) tokens lie in it. Blocked like x: ``within [tiles *
+(``last[k]`` to ``last[k + 1]``) tokens lie in it, and ``busy[k]``: whether a token of
+it reads its slot (for a tap or a state row); a tile that none does (the middle of a
+long prefill) makes no selection, as the forward kernel. Blocked like x: ``within [tiles *
 tile, 1]``, each token's index in its request, ``-1`` for padding and pad rows (zeros
 out). Taken for steps whose requests write the slots they read (each slot read by one
 request at most), ``state_len >= (W - 1) * dilation``.
@@ -105,12 +107,12 @@ def _chosen(frame_rows, slot_row, within, back: int, first: int, h: int, tile: i
     return v
 
 
-def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, within_ref, x_ref, w_ref, *refs, s: MixedStatic,
-            dim: int):
+def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, within_ref, x_ref, w_ref, *refs,
+            s: MixedStatic, dim: int):
     """One ``[tile, channels]`` block of the outputs, and the new states of the requests
     whose last token lies in it.
 
-    Refs: the five scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
+    Refs: the six scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
     channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
     ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch: the
     slots read ``[tile, P, channels]`` (row ``p``: the slot of the request whose first
@@ -178,29 +180,40 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, within_ref, x_r
         frame[:h] = jnp.zeros((h, s.channels), jnp.float32)
 
     frame[h:] = x_ref[...].astype(jnp.float32)
-    for n, q in enumerate(rows):
-        by_row[n, h:] = got32[:, q, :]
     slot_row = lambda q: by_row.at[rows.index(q)]  # noqa: E731
     within = within_ref[...]
 
-    # Each token's input ``back`` rows before it (its own or its slot's) serves a tap and,
-    # where ``back < S``, row ``S - 1 - back`` of the state a request ending there leaves.
-    def inputs_back(back):
-        return _chosen(frame[h - back:h - back + tile], slot_row, within, back, sl - back, h, tile)
+    def outputs_and_states(select: bool):
+        """y, and every row's would-be state in ``put32``; ``select``: some token reads its
+        slot (else every input is the frame's, and no selection is made)."""
+        def inputs_back(back):  # each token's input ``back`` rows before it: its own or its slot's
+            rows_back = frame[h - back:h - back + tile]
+            return _chosen(rows_back, slot_row, within, back, sl - back, h, tile) if select else rows_back
 
-    pre = jnp.zeros((tile, s.channels), jnp.float32)
-    if s.problem.has_bias:
-        pre = pre + bias_ref[...]
-    backs = [s.problem.back(tap) for tap in range(s.problem.width)]
-    for tap, back in enumerate(backs):
-        v = inputs_back(back)
-        if back < sl:
-            put32[:, sl - 1 - back, :] = v
-        pre = pre + w_ref[tap:tap + 1, :] * v
-    act = pre * sigmoid(pre) if s.problem.silu else pre
-    y_ref[...] = jnp.where(within < 0, 0.0, act).astype(y_ref.dtype)
-    for back in sorted(set(range(sl)) - set(backs)):
-        put32[:, sl - 1 - back, :] = inputs_back(back)
+        # A distance back serves a tap and, where ``back < S``, row ``S - 1 - back`` of the state.
+        pre = jnp.zeros((tile, s.channels), jnp.float32)
+        if s.problem.has_bias:
+            pre = pre + bias_ref[...]
+        backs = [s.problem.back(tap) for tap in range(s.problem.width)]
+        for tap, back in enumerate(backs):
+            v = inputs_back(back)
+            if back < sl:
+                put32[:, sl - 1 - back, :] = v
+            pre = pre + w_ref[tap:tap + 1, :] * v
+        act = pre * sigmoid(pre) if s.problem.silu else pre
+        y_ref[...] = jnp.where(within < 0, 0.0, act).astype(y_ref.dtype)
+        for back in sorted(set(range(sl)) - set(backs)):
+            put32[:, sl - 1 - back, :] = inputs_back(back)
+
+    @pl.when(busy_ref[k] != 0)
+    def _():
+        for n, q in enumerate(rows):
+            by_row[n, h:] = got32[:, q, :]
+        outputs_and_states(True)
+
+    @pl.when(busy_ref[k] == 0)  # a tile of prefill tokens past their slots' reach
+    def _():
+        outputs_and_states(False)
 
     def ending(r):
         """Request ``r`` (whose last token is in this tile): its last token's row and
@@ -247,9 +260,11 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     edges = jnp.arange(tiles + 1, dtype=jnp.int32) * s.tile
     first = jnp.searchsorted(qsl[:-1], edges, side="left", method="compare_all")  # requests starting before each edge
     last = jnp.searchsorted(qsl[1:], edges, side="right", method="compare_all")  # requests ending at or before it
+    reach = max(s.problem.state_len, s.state_len - 1)  # tokens at least this far into a request read no slot
+    busy = ((within >= 0) & (within < reach)).reshape(tiles, s.tile).any(axis=1).astype(jnp.int32)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
     operands = [within, x, w] + ([bias] if s.problem.has_bias else []) + [pool]
-    return call(qsl, reads, writes, first.astype(jnp.int32), last.astype(jnp.int32), *operands)
+    return call(qsl, reads, writes, first.astype(jnp.int32), last.astype(jnp.int32), busy, *operands)
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,7 +278,7 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     packed = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, s.state_len, s.channels), pool_dtype)] * 2
     return pool_call(
         functools.partial(_kernel, s=s, dim=dim),
-        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=5, grid=grid, tokens=tile,
+        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=6, grid=grid, tokens=tile,
         ids=pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0)),
         channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
         scratch=[
