@@ -25,10 +25,9 @@ from ..._core.history import check_dtype
 from .api import causal_conv1d
 from .checks import check_activation, check_operands, problem_of
 from . import pallas_mosaic_tpu as tpu
-from .backends import REGISTRY
 from .update import (
     PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, one_launch, read_slots, slot_codes,
-    write_slots,
+    tpu_kernel_taken, write_slots,
 )
 
 __all__ = ["causal_conv1d_step"]
@@ -193,39 +192,21 @@ def causal_conv1d_step(
             new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
         return y, new_pool
 
-    otherwise = composed
+    # Without drafts, prefix caching or positions, on a TPU (or named): the mixed step's
+    # kernel where each request writes the slot it reads, the decode kernel where each has
+    # one token (checked at run time); elsewhere, and otherwise, the composition.
+    step = composed
     if tree is None and path is None and blocks is None and starts is None:
         problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
-        if _mixed_launch(problem, implementation, interpret, write_indices, state_len):
-            kernel = _mixed_step(qsl, read, fresh, owner, within, composed, problem, interpret)
-            otherwise = kernel if implementation else _on_tpus(kernel, composed)
+        if write_indices is None and state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
+            step = _mixed_step(qsl, read, fresh, owner, within, composed, problem, interpret)
         if x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
-                return _decode_step(x, pool, weight, bias, qsl, read, write, fresh, otherwise, problem,
-                                    implementation, interpret)
-    return otherwise(x, pool, weight, bias)
-
-
-def _mixed_launch(problem, implementation: str | None, interpret: bool, write_indices, state_len: int) -> bool:
-    """Whether a step (no prefix caching, drafts or ``positions``) runs as the mixed step's
-    kernel: each request writing the slot it reads, slots of at least one input, and the
-    kernel asked for by name (``"pallas_mosaic_tpu"``, checked as the forward would check
-    it), or ``None`` without ``interpret`` for the problems it takes (then on TPUs only,
-    decided when lowered)."""
-    if write_indices is not None or state_len == 0:
-        return False
-    if implementation == "pallas_mosaic_tpu":
-        REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
-        return True
-    return implementation is None and interpret is False and tpu.unsupported(problem, None) is None
-
-
-def _on_tpus(kernel, composed):
-    """``kernel`` where the step is lowered for a TPU, ``composed`` elsewhere."""
-    def step(x, pool, weight, bias):
-        return lax.platform_dependent(x, pool, weight, bias, tpu=kernel, default=composed)
-    return step
+                step = _decode_or(step, qsl, read, write, fresh, problem, implementation, interpret)
+    if step is not composed and implementation is None:
+        return lax.platform_dependent(x, pool, weight, bias, tpu=step, default=composed)
+    return step(x, pool, weight, bias)
 
 
 def _mixed_step(qsl, read, started, owner, within, composed, problem, interpret):
@@ -251,21 +232,19 @@ def _mixed_step(qsl, read, started, owner, within, composed, problem, interpret)
     return launch
 
 
-def _decode_step(x, pool, weight, bias, qsl, read, write, fresh, otherwise, problem, implementation, interpret):
-    """A step of one token a request (``T == R``; checked when it runs) as the TPU's decode
-    kernel (:func:`~.update.decode_launch`); any other step, and other platforms for
-    ``implementation=None``, as ``otherwise`` (the composition, or the mixed step's kernel)."""
+def _decode_or(otherwise, qsl, read, write, fresh, problem, implementation, interpret):
+    """The step as the TPU's decode kernel (:func:`~.update.decode_launch`) where each
+    request has one token (``T == R``; checked when it runs, ``qsl`` being data), else as
+    ``otherwise`` (the composition, or the mixed step's kernel)."""
     def kernel(x, pool, weight, bias):
         y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, problem=problem,
                                 implementation=implementation, interpret=interpret)
         return y[:, 0], pool
 
-    def either(*args):  # qsl is data: a step of R tokens may still give one request two
+    def either(*args):
         return lax.cond(jnp.all(qsl[1:] - qsl[:-1] == 1), kernel, otherwise, *args)
 
-    if implementation is None:
-        return lax.platform_dependent(x, pool, weight, bias, tpu=either, default=otherwise)
-    return either(x, pool, weight, bias)
+    return either
 
 
 # --------------------------------------------------------------------------- the step

@@ -25,7 +25,7 @@ from .state import final_state
 
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
-    "zero_padding_rows", "one_launch", "decode_launch", "DECODE",
+    "zero_padding_rows", "one_launch", "tpu_kernel_taken", "decode_launch", "DECODE",
 ]
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
@@ -190,6 +190,14 @@ def one_launch(problem, implementation: str | None, interpret: bool, state_len: 
     runs it)."""
     if not 0 < problem.length <= tpu.MAX_DECODE_TOKENS or state_len == 0:
         return False
+    return tpu_kernel_taken(problem, implementation, interpret)
+
+
+def tpu_kernel_taken(problem, implementation: str | None, interpret: bool) -> bool:
+    """Whether a step takes a Mosaic TPU serving kernel (the decode step's, the mixed
+    step's): asked for by name (``"pallas_mosaic_tpu"``, checked as the forward would check
+    it), or ``None`` without ``interpret`` for a problem the kernels take (then on TPUs
+    only, decided when lowered)."""
     if implementation == "pallas_mosaic_tpu":
         REGISTRY.resolve(problem, implementation, interpret, None, op=OP.op)
         return True

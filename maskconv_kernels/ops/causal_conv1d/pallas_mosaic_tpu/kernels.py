@@ -135,8 +135,9 @@ def pool_call(kernel, *, x, pool, prefetch: int, grid: tuple, tokens: pl.BlockSp
     step's): ``prefetch`` scalar arrays, then an int32 column by ``ids`` (where given), x by
     ``tokens`` (a block of channel block ``c``, the grid's first axis), the weight ``[W,
     channels]`` and the bias ``[1, channels]`` (where the problem has one) of block ``c``,
-    the pool left in HBM; results y like x and the pool, aliased to its operand. ``x``, ``pool``: ``(shape, dtype)``; both
-    grid axes ``arbitrary`` (the DMAs and carries run in grid order)."""
+    the pool left in HBM; results y like x and the pool, aliased to its operand. ``x``,
+    ``pool``: ``(shape, dtype)``; both grid axes ``arbitrary`` (the DMAs and carries run in
+    grid order)."""
     shared = lambda height: pl.BlockSpec((height, channels), lambda c, *_: (0, c))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = ([ids] if ids is not None else []) + [tokens, shared(problem.width)]

@@ -66,7 +66,7 @@ class MixedStatic:
 
     problem: Problem  # the width, dilation, bias and activation
     state_len: int  # S: inputs a slot holds, >= problem.state_len = (W - 1) * dilation
-    tile: int  # tokens per grid step (a multiple of 16, or all T)
+    tile: int  # tokens per grid step (a multiple of 8, or all T)
     channels: int  # channels per grid step: D, or a multiple of 128 that divides it
 
     @property
@@ -200,8 +200,7 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
             if back < sl:
                 put32[:, sl - 1 - back, :] = v
             pre = pre + w_ref[tap:tap + 1, :] * v
-        act = pre * sigmoid(pre) if s.problem.silu else pre
-        y_ref[...] = jnp.where(within < 0, 0.0, act).astype(y_ref.dtype)
+        y_ref[...] = jnp.where(within < 0, 0.0, _act(pre, s)).astype(y_ref.dtype)
         for back in sorted(set(range(sl)) - set(backs)):
             put32[:, sl - 1 - back, :] = inputs_back(back)
 
