@@ -235,9 +235,10 @@ def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilatio
     """The mixed step's kernel alone, at tiles of 16 tokens and blocks of 128 channels: 150
     tokens (ten tiles, the last partial) of requests of 0 to 37 tokens begun in one tile and
     ended tiles later (two of them with their first tokens, which read the slot, in two
-    tiles; two tiles where no token reads a slot), decode tokens back to back, fresh rows (zeros), a slot outside the
-    pool (NaN), pad rows, NaN padding tokens after the last request and NaN in every slot
-    not read: outputs within rounding of a float64 oracle, states bit for bit."""
+    tiles; two tiles where no token reads a slot), decode tokens back to back, fresh rows
+    (zeros), a slot outside the pool (NaN), pad rows, NaN padding tokens after the last
+    request and NaN in every slot not read: outputs within rounding of a float64 oracle,
+    states bit for bit."""
     from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
     from maskconv_kernels.ops.causal_conv1d.checks import problem_of
     from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import NAN, PAD, ZEROS
