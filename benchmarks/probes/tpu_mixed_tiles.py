@@ -3,6 +3,7 @@
     python -m benchmarks.probes.tpu_mixed_tiles              # on a TPU
     python -m benchmarks.probes.tpu_mixed_tiles --interpret  # anywhere (tiny shapes; checks it runs)
     python -m benchmarks.probes.tpu_mixed_tiles --parts      # where a grid step's time goes
+    python -m benchmarks.probes.tpu_mixed_tiles --parts --chunk 512  # prefill chunks of 512 tokens
 
 ``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
 SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
@@ -16,6 +17,9 @@ before the kernel). Outputs and written states are checked against the compositi
 without its slot selections (each tap and state row takes the frame's rows), without its
 slot DMAs (no copy starts or waits), and without both; the variants' values are wrong by
 construction and not checked, only their times are the finding.
+
+``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
+tiles lie inside a long prefill, where no token reads its slot.
 """
 import contextlib
 import json
@@ -34,7 +38,9 @@ from maskconv_kernels.ops.causal_conv1d.step import _owners
 from maskconv_kernels.ops.causal_conv1d.update import slot_codes
 
 INTERPRET = "--interpret" in sys.argv or jax.default_backend() != "tpu"
-SHAPES = (_shape(8, 256, chunk=20),) if INTERPRET else PRESETS["tpu"][1]
+CHUNK = int(sys.argv[sys.argv.index("--chunk") + 1]) if "--chunk" in sys.argv else None
+SHAPES = (_shape(8, 256, chunk=CHUNK or 20),) if INTERPRET else tuple(
+    _shape(s.rows, s.dim, s.width, CHUNK or s.chunk, s.block) for s in PRESETS["tpu"][1])
 CONFIGS = ((16, 128), (32, 256)) if INTERPRET else ((64, 1024), (128, 1024), (256, 1024), (128, 2048), (256, 512))
 STEPS = 2 if INTERPRET else 50
 
@@ -93,7 +99,7 @@ def parts():
                 fns[name] = jax.jit(in_place(kernel(config), STEPS)).lower(step).compile()
         grid_steps = -(-int(step.x.shape[0]) // config[0]) * (shape.dim // min(shape.dim, config[1]))
         for name, t in median_times(fns, [(step,)], 5 if INTERPRET else 10).items():
-            print(json.dumps(dict(shape=shape.name, tile=config[0], channels=config[1], variant=name,
+            print(json.dumps(dict(shape=shape.name, chunk=shape.chunk, tile=config[0], channels=config[1], variant=name,
                                   median_s=t / STEPS, per_grid_step_s=t / STEPS / grid_steps)), flush=True)
 
 
