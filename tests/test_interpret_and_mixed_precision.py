@@ -133,6 +133,17 @@ def test_float16_kernel_with_float32_x_is_widened_exactly(call, x_shape, k_shape
     assert (error <= 2.0**-11 * np.abs(g32) + 2.0**-25 + accumulation).all(), error.max()
 
 
+@pytest.mark.parametrize("implementation", ["pallas_mosaic_tpu", "pallas_triton"])
+def test_a_narrower_kernel_runs_on_kernel_backends_as_the_widened_one(implementation):
+    """The kernels take one dtype, so a float16 kernel with float32 x is widened before a
+    backend is chosen: a kernel backend runs it (none refuses it), bit for bit the widened
+    kernel's program, and the weight gradient comes back float16. Interpreted."""
+    x, k16 = random(11, (1, 6, 5, 2), F32), random(12, (3, 3, 2, 3), F16)
+    call = lambda k: _masked_conv(x, k, implementation=implementation, interpret=True)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(call(k16)), np.asarray(call(k16.astype(F32))))
+    assert jax.grad(lambda k: call(k).sum())(k16).dtype == F16
+
+
 def test_float16_kernel_gradient_overflows_where_float32_does_not():
     """What the docstring warns of: the kernel's gradient is rounded to float16, whose range
     ends at 65504. 300 * 256 positions = 76800 overflows; float32 weights keep it."""

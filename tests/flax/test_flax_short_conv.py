@@ -68,14 +68,20 @@ def test_linen_forward_is_causal_conv1d(x_dtype):
 
 @pytest.mark.parametrize("x_dtype", [np.dtype(np.float32), BF16], ids=str)
 def test_linen_decode_prefill_then_steps_equal_the_full_forward_bit_for_bit(x_dtype):
-    """``init`` allocates the cache; a 5-token prefill, then one token per call in a ``lax.scan``."""
+    """``init`` allocates the cache; a 5-token prefill, then one token per call in a ``lax.scan``.
+
+    On a TPU decoding runs the TPU kernels (bias first, the tanh form of the sigmoid) and a
+    full pass this short runs XLA's (``jax.nn.silu`` after the taps): float32 outputs differ
+    there within rounding (docs/design/fma_contraction.md), so the full pass compared is the
+    kernels' own, which decoding reproduces bit for bit."""
     x = random(2, (N, L, D), x_dtype)
     layer = ShortConv(kernel_size=WIDTH, activation="silu", decode=True)
     variables = layer.init(jax.random.key(3), x)
     assert jax.tree_util.tree_map(jnp.shape, variables["cache"]) == {"conv_state": (N, WIDTH - 1, D)}
     assert variables["cache"]["conv_state"].dtype == x_dtype and not variables["cache"]["conv_state"].any()
     params = variables["params"]
-    expected = ShortConv(kernel_size=WIDTH, activation="silu").apply({"params": params}, x)
+    full_pass = "pallas_mosaic_tpu" if jax.default_backend() == "tpu" else None
+    expected = ShortConv(kernel_size=WIDTH, activation="silu", implementation=full_pass).apply({"params": params}, x)
 
     def call(cache, tokens):
         y, mutated = layer.apply({"params": params, "cache": cache}, tokens, mutable=["cache"])

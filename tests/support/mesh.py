@@ -1,6 +1,7 @@
 """The mesh checks' 8 CPU devices."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -31,8 +32,11 @@ def run_on_forced_cpu_devices(test_file: str) -> None:
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={N_DEVICES}".strip()
     env["JAX_PLATFORMS"] = "cpu"
+    # setup.cfg's addopts name xdist's --dist; without xdist (the TPU machine) they are
+    # replaced by their marker expression, which the child keeps.
+    plain = [] if importlib.util.find_spec("xdist") else ["-o", 'addopts=-m "not slow"']
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-rs"],
+        [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider", "-rs", *plain],
         env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         capture_output=True, text=True, timeout=600,
     )

@@ -76,14 +76,15 @@ def masked_conv(
         ``jax_enable_x64``, on the xla backend). Array-likes (NumPy arrays, nested lists)
         are converted as ``jnp.asarray`` would.
       kernel: ``(*window, C_in // feature_group_count, C_out)`` (or the order
-        ``dimension_numbers`` gives). Its dtype may differ from ``x``'s, on the ``xla``
-        backend: products are taken in the wider dtype (widening is exact), the output has
-        ``x``'s dtype and each gradient its operand's. A wider kernel (bfloat16
-        activations, float32 weights) keeps float32 weight gradients. A narrower one
-        (float16 or bfloat16 weights, float32 ``x``) is read as ``kernel.astype(x.dtype)``,
-        exactly, so the output is that of float32 weights; only its gradient is rounded,
-        once, to the kernel's dtype (float16 overflows to inf beyond 65504). For a float32
-        weight gradient, pass ``kernel.astype(x.dtype)``.
+        ``dimension_numbers`` gives). Its dtype may differ from ``x``'s: products are
+        taken in the wider dtype (widening is exact), the output has ``x``'s dtype and each
+        gradient its operand's. A wider kernel (bfloat16 activations, float32 weights) runs
+        on the ``xla`` backend and keeps float32 weight gradients. A narrower one (float16
+        or bfloat16 weights, float32 ``x``) is read as ``kernel.astype(x.dtype)`` before a
+        backend is chosen, so the output is that of float32 weights, bit for bit, on every
+        backend; only its gradient is rounded, once, to the kernel's dtype (float16
+        overflows to inf beyond 65504). For a float32 weight gradient, pass
+        ``kernel.astype(x.dtype)``.
       mask: static bools or 0/1 of shape ``window`` (one bit per tap; the kernel's spatial
         dims in the kernel's order) or the kernel's shape (channel-partial taps). Must not
         be traced. ``None`` (the default): every tap is active, as in the Flax and Equinox
@@ -145,6 +146,7 @@ def masked_conv(
         strides = _one_spelling("strides", strides, "window_strides", window_strides)
         dilation = _one_spelling("dilation", dilation, "rhs_dilation", rhs_dilation)
         x, kernel = as_operand("x", x), as_operand("kernel", kernel)
+        kernel = _widened(kernel, x.dtype)
         spec = make_spec(
             x, kernel, mask, strides=strides, padding=padding, dilation=dilation,
             feature_group_count=feature_group_count, precision=precision,
@@ -162,6 +164,16 @@ def masked_conv(
     y = run(spec.channels_last(), layout.x(x), layout.kernel(kernel), backend=backend, interpret=interpret,
             config=config, segment_ids=segment_ids)
     return layout.output(y)
+
+
+def _widened(kernel: jax.Array, x_dtype) -> jax.Array:
+    """A kernel narrower than x (float16 or bfloat16 weights, float32 x) as x's dtype: the
+    same program as float32 weights then, whichever backend runs it (the kernels take one
+    dtype), and autodiff rounds the weight gradient to the kernel's dtype once."""
+    floating = jnp.issubdtype(kernel.dtype, jnp.floating) and jnp.issubdtype(x_dtype, jnp.floating)
+    if floating and kernel.dtype != x_dtype and jnp.promote_types(kernel.dtype, x_dtype) == x_dtype:
+        return kernel.astype(x_dtype)
+    return kernel
 
 
 def run(spec, x, kernel, *, backend, interpret: bool, config, segment_ids=None) -> jax.Array:
