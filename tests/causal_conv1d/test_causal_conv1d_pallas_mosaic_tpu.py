@@ -273,21 +273,3 @@ def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilatio
     assert_close(y[~np.isnan(ry)], ry[~np.isnan(ry)], x_dtype, width, scale)
     assert not y[qsl[-1]:].any() and not y[qsl[8]:qsl[9]].any()
     np.testing.assert_array_equal(np.asarray(new, np.float64), np.asarray(jnp.asarray(rnew, pool_dtype), np.float64))
-
-
-@pytest.mark.parametrize("pool_dtype, tile", [(F32, 128), (BF16, 64)], ids=["f32pool", "bf16pool"])
-def test_the_mixed_step_kernel_halves_its_tokens_until_its_buffers_fit_vmem(pool_dtype, tile):
-    """Its slot buffers are doubled (one step's DMAs overlap the next's arithmetic) and hold
-    8 float32 rows a token, so 256 tokens x 2,048 channels (the largest Config) would ask
-    for 77 MiB with a float32 pool, more with a 16-bit one: fitted, the tile halves until
-    8 MiB of the VMEM limit stay free, no further."""
-    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import VMEM_LIMIT_BYTES, MiB
-    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.mixed import MixedStatic
-
-    problem = make_problem(jnp.zeros((1, 8, 8192), BF16), jnp.zeros((4, 8192)), jnp.zeros(8192), activation="silu")[0]
-    s = MixedStatic(problem=problem, state_len=3, tile=256, channels=2048)
-    fitted = s.fitted(2, np.dtype(pool_dtype).itemsize)
-    assert fitted.tile == tile and fitted.channels == 2048
-    assert fitted.vmem_bytes(2, np.dtype(pool_dtype).itemsize) <= VMEM_LIMIT_BYTES - 8 * MiB
-    doubled = MixedStatic(problem=problem, state_len=3, tile=2 * tile, channels=2048)
-    assert doubled.vmem_bytes(2, np.dtype(pool_dtype).itemsize) > VMEM_LIMIT_BYTES - 8 * MiB

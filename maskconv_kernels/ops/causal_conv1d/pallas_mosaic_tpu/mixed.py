@@ -22,13 +22,7 @@ Scalar work is per request, vector work per tile; nothing is per token:
 * **states out**: the same selections (one per distance back, shared by a tap and a
   state row) give, at every row, the state a request ending there would leave (its last
   ``S`` inputs of slot and tokens); stored as rows of a ``[tile, S, channels]`` buffer
-  (strided stores; only in a tile where some request ends), each ending request's is
-  written to its slot by one DMA.
-
-The slot DMAs of one grid step overlap the arithmetic of another: each step starts the
-next step's slot reads (into the other of two buffers) before waiting for its own, and
-waits for the previous step's state writes after its arithmetic. The grid runs in order
-(both axes ``arbitrary``), which the carries need anyway.
+  (strided stores), each ending request's is written to its slot by one DMA.
 
 **Exactness.** A token's output is ``act(bias + sum_t w[t] * v_t)`` in float32 in tap
 order, rounded once, where ``v_t`` is its own request's input or its slot's: a row is
@@ -60,7 +54,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv, round_up
 from ..checks import Problem
-from .config import MIXED_KERNEL, NAN, PAD, SUBLANES, VMEM_LIMIT_BYTES, ZEROS, MiB
+from .config import MIXED_KERNEL, NAN, PAD, ZEROS
 from .kernels import pool_call, sigmoid
 
 __all__ = ["MixedStatic", "step"]
@@ -79,27 +73,6 @@ class MixedStatic:
     def halo(self) -> int:
         """``H``: rows of the previous tile the frame keeps, for the taps and the state."""
         return round_up(max(self.problem.state_len, self.state_len, 1), 16)
-
-
-    def vmem_bytes(self, x_itemsize: int, pool_itemsize: int) -> int:
-        """The VMEM a grid step holds: two buffers each of slots in and states out (the
-        DMAs of one step overlap the next's arithmetic), a float32 pair for a 16-bit pool,
-        the frame and the slot inputs by row, and x's and y's double-buffered blocks."""
-        rows = round_up(self.state_len, 8)
-        packed_rows = round_up(self.state_len, 16)  # a 16-bit tile's rows
-        slots = 4 * self.tile * (rows if pool_itemsize == 4 else packed_rows) * self.channels * pool_itemsize
-        wide = 0 if pool_itemsize == 4 else 2 * self.tile * rows * self.channels * 4
-        frames = (1 + len(_slot_rows(self))) * (self.halo + self.tile) * self.channels * 4
-        return slots + wide + frames + 4 * self.tile * self.channels * x_itemsize
-
-
-    def fitted(self, x_itemsize: int, pool_itemsize: int) -> MixedStatic:
-        """This one, with its tokens a step halved (in whole 16-row tiles) until its VMEM
-        leaves 8 MiB of ``VMEM_LIMIT_BYTES`` to Mosaic's own."""
-        s = self
-        while s.tile > SUBLANES and s.vmem_bytes(x_itemsize, pool_itemsize) > VMEM_LIMIT_BYTES - 8 * MiB:
-            s = dataclasses.replace(s, tile=max(SUBLANES, round_up(s.tile // 2, SUBLANES)))
-        return s
 
 
 def _act(pre, s: MixedStatic):
@@ -141,77 +114,33 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
 
     Refs: the six scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
     channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
-    ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch:
-    two buffers of slots read ``[2, tile, P, channels]`` in the pool's dtype (row ``p``:
-    the slot of the request whose first token is row ``p``; grid step ``i`` uses buffer
-    ``i % 2``), two of states to write likewise (row ``p``: the request whose last token
-    is row ``p``); the float32 frame ``[H + tile, channels]``; the slot inputs by row
-    ``[Q, H + tile, channels]``; two DMA semaphores for reads and two for writes (one a
-    buffer); for a 16-bit pool, a float32 ``[tile, P, channels]`` each of slots read and
-    states to write.
+    ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch: the
+    slots read ``[tile, P, channels]`` (row ``p``: the slot of the request whose first
+    token is row ``p``) in float32 and, for a 16-bit pool, in its dtype; the states to
+    write likewise (row ``p``: the request whose last token is row ``p``); the float32
+    frame ``[H + tile, channels]``; the slot inputs by row ``[Q, H + tile, channels]``; a
+    DMA semaphore for reads and one for writes.
     """
     if s.problem.has_bias:
         bias_ref, *refs = refs
-    pool_in, y_ref, pool_out, land, send, frame, by_row, sem_in, sem_out, *wide = refs
+    pool_in, y_ref, pool_out, got32, put32, frame, by_row, sem_in, sem_out, *packed = refs
+    got, put = packed if packed else (got32, put32)
     c, k = pl.program_id(0), pl.program_id(1)
-    blocks, tiles = pl.num_programs(0), pl.num_programs(1)
     tile, sl, h = s.tile, s.state_len, s.halo
-    i = c * tiles + k  # the grid step, in grid order; its slot buffers are land[b] and send[b]
-    b, other = lax.rem(i, 2), 1 - lax.rem(i, 2)
-    got32, put32 = wide if wide else (land.at[b], send.at[b])
+    cols = slice(None) if s.channels == dim else pl.ds(pl.multiple_of(c * s.channels, 128), s.channels)
+    base = k * tile
 
-    def cols(cc):
-        return slice(None) if s.channels == dim else pl.ds(pl.multiple_of(cc * s.channels, 128), s.channels)
+    def starting(r):
+        """Request ``r`` (whose first token is in this tile): its row, whether it has
+        tokens, its read code."""
+        return qsl_ref[r] - base, qsl_ref[r + 1] > qsl_ref[r], reads_ref[r]
 
-    def reads(kk, cc, buf, start: bool):
-        """Start (or wait for) the DMAs of tile ``kk``'s starting requests' slots, channel
-        block ``cc``, into ``land[buf]`` (row: the request's first token)."""
-        def body(r, carry):
-            p, code = qsl_ref[r] - kk * tile, reads_ref[r]
+    def fetch(r, carry):
+        p, some, code = starting(r)
 
-            @pl.when((qsl_ref[r + 1] > qsl_ref[r]) & (code >= 0))
-            def _():
-                copy = _slot_copy(pool_in, land.at[buf], sem_in.at[buf], code, p, s, cols(cc), to_pool=False)
-                copy.start() if start else copy.wait()
-
-            return carry
-
-        lax.fori_loop(first_ref[kk], first_ref[kk + 1], body, 0)
-
-    def writes(kk, cc, buf, start: bool):
-        """Start (or wait for) the DMAs of tile ``kk``'s ending requests' new states, channel
-        block ``cc``, from ``send[buf]`` (row: the request's last token)."""
-        def body(r, carry):
-            p, slot = qsl_ref[r + 1] - 1 - kk * tile, writes_ref[r]
-
-            @pl.when((qsl_ref[r + 1] > qsl_ref[r]) & (slot >= 0))
-            def _():
-                if start and wide:
-                    send[buf, pl.ds(p, 1), :sl] = put32[pl.ds(p, 1), :sl].astype(send.dtype)
-                copy = _slot_copy(pool_out, send.at[buf], sem_out.at[buf], slot, p, s, cols(cc), to_pool=True)
-                copy.start() if start else copy.wait()
-
-            return carry
-
-        lax.fori_loop(last_ref[kk], last_ref[kk + 1], body, 0)
-
-    # Slots in: this step's were started by the step before (the first step starts its own);
-    # the next step's start now, into the other buffer, and land while this one computes.
-    @pl.when(i == 0)
-    def _():
-        reads(k, c, b, start=True)
-
-    @pl.when(i + 1 < blocks * tiles)
-    def _():
-        wrap = k + 1 == tiles
-        reads(jnp.where(wrap, 0, k + 1), jnp.where(wrap, c + 1, c), other, start=True)
-
-    reads(k, c, b, start=False)
-
-    def filled(r, carry):
-        """The starting request ``r``'s slot rows in float32: a fill where its slot is not
-        read, the landed slot widened for a 16-bit pool."""
-        p, code, some = qsl_ref[r] - k * tile, reads_ref[r], qsl_ref[r + 1] > qsl_ref[r]
+        @pl.when(some & (code >= 0))
+        def _():
+            _slot_copy(pool_in, got, sem_in, code, p, s, cols, to_pool=False).start()
 
         @pl.when(some & (code == ZEROS))
         def _():
@@ -221,14 +150,21 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
         def _():
             got32[pl.ds(p, 1), :sl] = jnp.full((1, sl, s.channels), jnp.nan, jnp.float32)
 
-        if wide:
-            @pl.when(some & (code >= 0))
-            def _():
-                got32[pl.ds(p, 1), :sl] = land[b, pl.ds(p, 1), :sl].astype(jnp.float32)
+        return carry
+
+    def landed(r, carry):
+        p, some, code = starting(r)
+
+        @pl.when(some & (code >= 0))
+        def _():
+            _slot_copy(pool_in, got, sem_in, code, p, s, cols, to_pool=False).wait()
+            if packed:
+                got32[pl.ds(p, 1), :sl] = got[pl.ds(p, 1), :sl].astype(jnp.float32)
 
         return carry
 
-    lax.fori_loop(first_ref[k], first_ref[k + 1], filled, 0)
+    lax.fori_loop(first_ref[k], first_ref[k + 1], fetch, 0)
+    lax.fori_loop(first_ref[k], first_ref[k + 1], landed, 0)
 
     # The frame and the slot inputs by row: the previous tile's last H rows, then this tile's.
     rows = _slot_rows(s)
@@ -247,17 +183,9 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
     slot_row = lambda q: by_row.at[rows.index(q)]  # noqa: E731
     within = within_ref[...]
 
-    ends = last_ref[k + 1] > last_ref[k]  # some request's last token lies in this tile
-
-    def state_row(row, v):
-        @pl.when(ends)
-        def _():
-            put32[:, row, :] = v
-
     def outputs_and_states(select: bool):
-        """y, and (where a request ends here) every row's would-be state in ``put32``;
-        ``select``: some token reads its slot (else every input is the frame's, and no
-        selection is made)."""
+        """y, and every row's would-be state in ``put32``; ``select``: some token reads its
+        slot (else every input is the frame's, and no selection is made)."""
         def inputs_back(back):  # each token's input ``back`` rows before it: its own or its slot's
             rows_back = frame[h - back:h - back + tile]
             return _chosen(rows_back, slot_row, within, back, sl - back, h, tile) if select else rows_back
@@ -270,11 +198,11 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
         for tap, back in enumerate(backs):
             v = inputs_back(back)
             if back < sl:
-                state_row(sl - 1 - back, v)
+                put32[:, sl - 1 - back, :] = v
             pre = pre + w_ref[tap:tap + 1, :] * v
         y_ref[...] = jnp.where(within < 0, 0.0, _act(pre, s)).astype(y_ref.dtype)
         for back in sorted(set(range(sl)) - set(backs)):
-            state_row(sl - 1 - back, inputs_back(back))
+            put32[:, sl - 1 - back, :] = inputs_back(back)
 
     @pl.when(busy_ref[k] != 0)
     def _():
@@ -286,18 +214,33 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
     def _():
         outputs_and_states(False)
 
-    # States out: this step's start; the step before's are waited for now (they moved while
-    # this one computed), and the last step waits for its own.
-    writes(k, c, b, start=True)
+    def ending(r):
+        """Request ``r`` (whose last token is in this tile): its last token's row and
+        whether it writes (it has tokens and a slot)."""
+        return qsl_ref[r + 1] - 1 - base, (qsl_ref[r + 1] > qsl_ref[r]) & (writes_ref[r] >= 0), writes_ref[r]
 
-    @pl.when(i > 0)
-    def _():
-        first_tile = k == 0
-        writes(jnp.where(first_tile, tiles - 1, k - 1), jnp.where(first_tile, c - 1, c), other, start=False)
+    def store(r, carry):
+        p, write, slot = ending(r)
 
-    @pl.when(i + 1 == blocks * tiles)
-    def _():
-        writes(k, c, b, start=False)
+        @pl.when(write)
+        def _():
+            if packed:
+                put[pl.ds(p, 1), :sl] = put32[pl.ds(p, 1), :sl].astype(put.dtype)
+            _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).start()
+
+        return carry
+
+    def stored(r, carry):
+        p, write, slot = ending(r)
+
+        @pl.when(write)
+        def _():
+            _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).wait()
+
+        return carry
+
+    lax.fori_loop(last_ref[k], last_ref[k + 1], store, 0)
+    lax.fori_loop(last_ref[k], last_ref[k + 1], stored, 0)
 
 
 def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool):
@@ -330,19 +273,19 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     grid = (dim // s.channels, cdiv(tokens, s.tile))
     tile = pl.BlockSpec((s.tile, s.channels), lambda c, k, *_: (k, c))
     rows = round_up(s.state_len, 8)
-    slots = [pltpu.VMEM((2, s.tile, rows if pool_dtype.itemsize == 4 else s.state_len, s.channels), pool_dtype)] * 2
-    wide = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, rows, s.channels), jnp.float32)] * 2
+    slots32 = [pltpu.VMEM((s.tile, rows, s.channels), jnp.float32) for _ in range(2)]
+    packed = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, s.state_len, s.channels), pool_dtype)] * 2
     return pool_call(
         functools.partial(_kernel, s=s, dim=dim),
         x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=6, grid=grid, tokens=tile,
         ids=pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0)),
         channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
         scratch=[
-            *slots,
+            *slots32,
             pltpu.VMEM((s.halo + s.tile, s.channels), jnp.float32),
             pltpu.VMEM((len(_slot_rows(s)), s.halo + s.tile, s.channels), jnp.float32),
-            pltpu.SemaphoreType.DMA((2,)),
-            pltpu.SemaphoreType.DMA((2,)),
-            *wide,
+            pltpu.SemaphoreType.DMA(()),
+            pltpu.SemaphoreType.DMA(()),
+            *packed,
         ],
     )
