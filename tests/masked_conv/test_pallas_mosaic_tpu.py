@@ -61,7 +61,8 @@ LOWERING_CASES = {
 
 def test_implementation_none_lowered_for_tpu_holds_the_mosaic_kernels():
     """From a CPU host, as CI runs it: the default on a TPU is the three kernels for a 2-D
-    layer, and the xla path's per-box convolutions for a 1-D one."""
+    layer of small boxes (3x3 and 5x5 type B), and the xla path's per-box convolutions for
+    a 1-D one and for a mask with a box of 16 taps or more (7x7 type A: 21)."""
     def value_and_grad(mask, shape):
         x, k = jnp.zeros(shape, jnp.bfloat16), jnp.zeros((*mask.shape, shape[-1], 8), jnp.bfloat16)
         loss = lambda x, k: mk.masked_conv(x, k, mask).astype(jnp.float32).sum()  # noqa: E731
@@ -72,6 +73,10 @@ def test_implementation_none_lowered_for_tpu_holds_the_mosaic_kernels():
     assert "stablehlo.convolution" not in text
     text_1d = value_and_grad(mk.causal_mask(3), (2, 9, 8))
     assert "tpu_custom_call" not in text_1d and "stablehlo.convolution" in text_1d
+    text_5x5 = value_and_grad(mk.pixelcnn_mask((5, 5), "B"), (2, 9, 8, 8))
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text_5x5)) == 3
+    text_7x7 = value_and_grad(mk.pixelcnn_mask((7, 7), "A"), (2, 9, 8, 8))
+    assert "tpu_custom_call" not in text_7x7 and "stablehlo.convolution" in text_7x7
 
 
 @pytest.mark.parametrize("name", tiered(sorted(LOWERING_CASES), lambda n: n.startswith("2d_N1_H7")))

@@ -65,8 +65,9 @@ REGISTRY = Registry(
     # pallas_triton first on NVIDIA GPUs: on an H200 its kernels (per-kernel default
     # tiles) beat pallas_mosaic_gpu's at both headline shapes, and Mosaic GPU takes a
     # subset of its problems (docs/performance.md#h200). pallas_mosaic_tpu first on TPUs,
-    # for the 2-D problems it takes (its not_preferred): on a TPU v5e it beat lax.conv and
-    # xla's per-box convolutions at 3x3 and 5x5 type B (docs/performance.md, TPU v5e).
+    # for the 2-D problems it takes whose boxes are small (its not_preferred): on a TPU v5e
+    # it beat lax.conv and xla's per-box convolutions at 3x3 and 5x5 type B, and lost to
+    # the latter at 7x7 type A (docs/performance.md, TPU v5e).
     # ROCm: no kernel is tested there.
     {"cpu": ("xla",), "cuda": ("pallas_triton", "pallas_mosaic_gpu", "xla"), "rocm": ("xla",),
      "tpu": ("pallas_mosaic_tpu", "xla")},

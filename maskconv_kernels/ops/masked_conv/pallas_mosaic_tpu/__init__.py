@@ -14,7 +14,7 @@ inline: jax 0.10 and 0.12 alike). Supports 1-D and 2-D, stride-1, ungrouped
 convolutions with any padding, dilation, window or channel-partial mask, in float32
 and bfloat16 (float32 accumulation); the rest is reported by :func:`unsupported` and
 ``implementation=None`` uses ``"xla"``. ``implementation=None`` on a TPU takes it for the
-2-D problems it runs (:func:`not_preferred`). CI has no TPU: its tests lower the kernels
+2-D problems it runs whose mask has no box of 16 taps or more (:func:`not_preferred`). CI has no TPU: its tests lower the kernels
 for one and interpret them; they also passed compiled on one TPU v5e (jax 0.10.2), where
 it was timed (docs/performance.md, TPU v5e).
 """

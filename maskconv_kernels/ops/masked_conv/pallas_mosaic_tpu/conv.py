@@ -19,9 +19,15 @@ from . import kernels
 from .config import KERNELS, VMEM_BUDGET_BYTES, VMEM_LIMIT_BYTES, Config, MiB, geometry, vmem_bytes
 from .geometry import Geometry, Runs
 
-__all__ = ["unsupported", "not_preferred", "forward", "input_grad", "weight_grad"]
+__all__ = ["LARGE_BOX_TAPS", "unsupported", "not_preferred", "forward", "input_grad", "weight_grad"]
 
 _DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16))
+
+
+# Where XLA's per-box convolutions overtake the kernels: between the largest boxes of 5x5
+# type B (10 taps; the kernels 1.09x faster) and 7x7 type A (21; XLA 1.07-1.13x faster),
+# measured on a TPU v5e at C=256 (docs/performance.md, TPU v5e); 16 lies between.
+LARGE_BOX_TAPS = 16
 
 
 def unsupported(spec: ConvSpec, platform: str | None, interpret: bool = False) -> str | None:
@@ -35,12 +41,19 @@ def not_preferred(spec: ConvSpec, platform: str) -> str | None:
 
     Measured on a TPU v5e (bfloat16, N=64, 32x32, C=256, forward+backward against
     ``lax.conv(kernel * mask)``): 1.79x at 3x3 type B, 1.72x at 5x5 type B, where the
-    ``xla`` path's per-box convolutions gave 0.65x and 1.58x; 1.55x at 7x7 type A, where
-    they gave 1.75x. 2-D layers only were timed: 1-D problems (WaveNet's) keep ``xla``
-    until they are.
+    ``xla`` path's per-box convolutions gave 0.65x and 1.58x (boxes of 3 and 2 taps, of
+    10 and 3); at 7x7 type A (a box of 21 taps and one of 3) they beat the kernels, 1.75x
+    against 1.55x, and 1.77x against 1.64x with the kernels' tuned blocks. So a mask
+    with a box of :data:`LARGE_BOX_TAPS` taps or more (a dense window of them included:
+    one box, lax's own convolution) goes to ``xla``. 2-D layers only were timed: 1-D
+    problems (WaveNet's) keep ``xla`` until they are.
     """
     if spec.ndim != 2:
         return f"{spec.ndim}-D problems: the kernels were timed on 2-D layers only; implementation=None uses xla"
+    largest = max((len(term.box.taps()) for term in spec.mask.terms), default=0)
+    if largest >= LARGE_BOX_TAPS:
+        return (f"a mask with a box of {largest} taps: XLA's convolution of a box that large beat the kernels on a "
+                "TPU v5e; implementation=None uses xla")
     return None
 
 
