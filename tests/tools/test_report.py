@@ -171,3 +171,26 @@ def test_readme_stays_short_and_its_example_runs_in_the_slow_tier():
     assert len(_readme_snippets()) >= 1
     for word in (r"issues? \d", r"\bseed\b", r"GPU image", r"\b[0-9a-f]{7,40}\b"):  # the project's words, commits
         assert not re.search(word, readme, re.I), word
+
+
+def test_a_timing_row_names_its_implementation_where_it_differs():
+    """On a TPU the default differs per layer (the kernels for small boxes, xla for 7x7 type
+    A): each timing row times the default for its layer and says which where it is not the
+    header's."""
+    figures = {e.key: 0 for e in report.EXPERIMENTS}
+    result = {
+        "device": "a TPU (tpu, 1 device(s))", "platform": "tpu", "jax": jax.__version__, "python": "3",
+        "implementation": "pallas_mosaic_tpu",
+        "exactness": {"lax.conv(kernel*mask)": figures, "masked_conv": figures},
+        "timings": [
+            {"shape": "7x7 A", "implementation": "xla", "lax.conv(kernel*mask)": (2.0, 4.0), "masked_conv": (1.0, 2.0)},
+            {"shape": "3x3 B", "implementation": "pallas_mosaic_tpu", "lax.conv(kernel*mask)": (2.0, 4.0),
+             "masked_conv": (1.0, 2.0)},
+        ],
+    }
+    text = report.format_report(result)
+    assert "| 7x7 A (xla) | 2.00 | 1.00 | 2.00x |" in text and "| 3x3 B | 2.00 | 1.00 | 2.00x |" in text
+    rows = report.timings(1, 8, 1)
+    expected = {"cpu": ["xla"] * 3, "tpu": ["xla", "pallas_mosaic_tpu", "pallas_mosaic_tpu"]}
+    if jax.default_backend() in expected:
+        assert [row["implementation"] for row in rows] == expected[jax.default_backend()]
