@@ -4,6 +4,7 @@
     python -m benchmarks.probes.tpu_mixed_tiles --interpret  # anywhere (tiny shapes; checks it runs)
     python -m benchmarks.probes.tpu_mixed_tiles --parts      # where a grid step's time goes
     python -m benchmarks.probes.tpu_mixed_tiles --parts --chunk 512  # prefill chunks of 512 tokens
+    python -m benchmarks.probes.tpu_mixed_tiles --parts --tile 64x2048  # the parts at other tiles
 
 ``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
 SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
@@ -19,7 +20,8 @@ slot DMAs (no copy starts or waits), and without both; the variants' values are 
 construction and not checked, only their times are the finding.
 
 ``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
-tiles lie inside a long prefill, where no token reads its slot.
+tiles lie inside a long prefill, where no token reads its slot. ``--tile TxC``: the parts
+at T tokens and C channels a grid step (the default's 64x1024 otherwise).
 """
 import contextlib
 import json
@@ -91,6 +93,8 @@ def patched(names: dict):
 
 def parts():
     config = CONFIGS[0]
+    if "--tile" in sys.argv:
+        config = tuple(int(n) for n in sys.argv[sys.argv.index("--tile") + 1].split("x"))
     for shape in SHAPES:
         step = make_step(shape, "mixed", jnp.bfloat16)
         fns = {}
