@@ -273,3 +273,24 @@ def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilatio
     assert_close(y[~np.isnan(ry)], ry[~np.isnan(ry)], x_dtype, width, scale)
     assert not y[qsl[-1]:].any() and not y[qsl[8]:qsl[9]].any()
     np.testing.assert_array_equal(np.asarray(new, np.float64), np.asarray(jnp.asarray(rnew, pool_dtype), np.float64))
+
+
+@pytest.mark.parametrize("pool_dtype", [F32, BF16], ids=["f32pool", "bf16pool"])
+def test_the_mixed_step_kernel_halves_its_tokens_until_its_buffers_fit_vmem(pool_dtype):
+    """Its slot buffers hold 8 float32 rows a token, so the largest Config (256 tokens x
+    8,192 channels, as wide as the decode kernel's blocks) would ask for 178 MiB with a
+    float32 pool: fitted, the tokens halve until 8 MiB of the VMEM limit stay free, no
+    further; the default's blocks are left as they are."""
+    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import VMEM_LIMIT_BYTES, MiB
+    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.mixed import MixedStatic
+
+    problem = make_problem(jnp.zeros((1, 8, 8192), BF16), jnp.zeros((4, 8192)), jnp.zeros(8192), activation="silu")[0]
+    itemsize, budget = np.dtype(pool_dtype).itemsize, VMEM_LIMIT_BYTES - 8 * MiB
+    fitted = MixedStatic(problem=problem, state_len=3, tile=256, channels=8192).fitted(2, itemsize)
+    assert fitted.tile == 32 and fitted.channels == 8192 and fitted.vmem_bytes(2, itemsize) <= budget
+    assert MixedStatic(problem=problem, state_len=3, tile=64, channels=8192).vmem_bytes(2, itemsize) > budget
+    default = MixedStatic(problem=problem, state_len=3, tile=Config().step_tokens, channels=Config().step_channels)
+    assert default.fitted(2, itemsize) == default
+    Config(step_channels=8192)
+    with pytest.raises(ValueError, match="step_channels must be a multiple of 128 from 128 to 8192"):
+        Config(step_channels=8320)

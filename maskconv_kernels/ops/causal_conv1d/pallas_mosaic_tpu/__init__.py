@@ -119,6 +119,7 @@ def step(x, pool, weight, bias, qsl, reads, writes, owner, within, *, problem: P
     tokens, dim = x.shape
     tile, channels = config.step_blocks(tokens, dim)
     s = mixed.MixedStatic(problem=problem, state_len=pool.shape[1], tile=tile, channels=channels)
+    s = s.fitted(x.dtype.itemsize, pool.dtype.itemsize)
     b = bias.astype(jnp.float32)[None] if bias is not None else None
     return mixed.step(x, pool, weight.astype(jnp.float32), b, qsl, reads, writes, owner, within, s=s,
                       interpret=bool(interpret))

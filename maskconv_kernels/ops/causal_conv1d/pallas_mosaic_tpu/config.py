@@ -50,11 +50,12 @@ class Config:
         A step moves one DMA per row each way, so the fewer channel blocks the better
         (docs/performance.md, TPU v5e: the decode kernel's sweep).
       step_tokens, step_channels: the mixed step's kernel (``causal_conv1d_step``) tokens
-        and channels per grid step: tokens a multiple of 8 from 8 to 256 (a step no longer
-        is one block), channels a multiple of 128 up to 2048 (the largest that divides
+        and channels per grid step: tokens a multiple of 16 from 16 to 256 (a step no longer
+        is one block), channels a multiple of 128 up to 8192 (the largest that divides
         ``D``; ``D`` itself where none does). Its slot buffers hold 8 float32 rows a token
         (and ``S`` in the pool's dtype for a 16-bit pool), so their VMEM grows as tokens x
-        channels.
+        channels: the tokens are halved until they fit (``MixedStatic.fitted``). A step
+        moves one DMA per request each way and channel block, so wider blocks make fewer.
 
     The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
     block: the step's DMA overlaps the previous step's arithmetic) and keep the
@@ -83,8 +84,8 @@ class Config:
             raise ValueError(f"Config.step_tokens must be a multiple of {SUBLANES} from {SUBLANES} to 256, got "
                              f"{self.step_tokens!r}")
         step = self.step_channels
-        if not is_int(step) or step % LANES or not LANES <= step <= 2048:
-            raise ValueError(f"Config.step_channels must be a multiple of {LANES} from {LANES} to 2048, got {step!r}")
+        if not is_int(step) or step % LANES or not LANES <= step <= 8192:
+            raise ValueError(f"Config.step_channels must be a multiple of {LANES} from {LANES} to 8192, got {step!r}")
         channels = self.decode_channels
         if not is_int(channels) or channels % LANES or not LANES <= channels <= 8192:
             raise ValueError(f"Config.decode_channels must be a multiple of {LANES} from {LANES} to 8192, got "

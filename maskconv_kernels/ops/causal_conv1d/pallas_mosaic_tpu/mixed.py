@@ -54,7 +54,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv, round_up
 from ..checks import Problem
-from .config import MIXED_KERNEL, NAN, PAD, ZEROS
+from .config import MIXED_KERNEL, NAN, PAD, SUBLANES, VMEM_LIMIT_BYTES, ZEROS, MiB
 from .kernels import pool_call, sigmoid
 
 __all__ = ["MixedStatic", "step"]
@@ -73,6 +73,25 @@ class MixedStatic:
     def halo(self) -> int:
         """``H``: rows of the previous tile the frame keeps, for the taps and the state."""
         return round_up(max(self.problem.state_len, self.state_len, 1), 16)
+
+
+    def vmem_bytes(self, x_itemsize: int, pool_itemsize: int) -> int:
+        """The VMEM a grid step holds: the float32 slots read and states to write (8 rows a
+        token), their 16-bit twins for a 16-bit pool, the frame and the slot inputs by row,
+        and x's and y's double-buffered blocks."""
+        rows, packed_rows = round_up(self.state_len, 8), round_up(self.state_len, 16)
+        slots = 2 * self.tile * rows * self.channels * 4
+        packed = 0 if pool_itemsize == 4 else 2 * self.tile * packed_rows * self.channels * pool_itemsize
+        frames = (1 + len(_slot_rows(self))) * (self.halo + self.tile) * self.channels * 4
+        return slots + packed + frames + 4 * self.tile * self.channels * x_itemsize
+
+    def fitted(self, x_itemsize: int, pool_itemsize: int) -> MixedStatic:
+        """This one, with its tokens a step halved (in whole 16-row tiles) until its VMEM
+        leaves 8 MiB of ``VMEM_LIMIT_BYTES`` to Mosaic's own."""
+        s = self
+        while s.tile > SUBLANES and s.vmem_bytes(x_itemsize, pool_itemsize) > VMEM_LIMIT_BYTES - 8 * MiB:
+            s = dataclasses.replace(s, tile=max(SUBLANES, round_up(s.tile // 2, SUBLANES)))
+        return s
 
 
 def _act(pre, s: MixedStatic):
