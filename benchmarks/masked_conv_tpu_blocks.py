@@ -12,6 +12,8 @@ kernel. Each row gives the kernel's TFLOP/s counting active taps only and its fr
 a large bfloat16 matmul's rate measured in the same run (the issue's target: 75% for each
 kernel at C=256). A candidate Mosaic refuses (VMEM) is a row with its error.
 
+``--pad-in-kernel`` times the default blocks against the same blocks with
+``pad_in_kernel=True`` (the kernels pad their image in VMEM; no padded copy in HBM).
 ``--quick`` times two candidates of one layer at N=2 interpreted on the CPU: it checks the
 script, not the kernels. Writes ``DIR/masked_conv_tpu_blocks.jsonl`` with the machine's
 metadata and prints a table.
@@ -45,6 +47,8 @@ GEMM_CANDIDATES = (None, (256, 256, 64), (512, 256, 64), (1024, 256, 64), (4096,
                    (1024, 128, 64), (2048, 128, 64))
 WEIGHT_GRAD_CANDIDATES = (None, (1024, 256, 64), (512, 256, 64), (256, 256, 64), (512, 128, 64), (1024, 128, 64),
                           (512, 256, 8), (1024, 256, 8), (2048, 256, 8))
+# The default blocks with the kernels padding their image themselves (Config.pad_in_kernel).
+PAD_CANDIDATES = (None, (2048, 256, 64, True))
 PRESET = Preset(True, ("bfloat16",), (), samples=9, min_sample_s=0.003, warmup=2, max_input_sets=2, peak_n=8192)
 
 
@@ -86,7 +90,9 @@ def _compile(kind, spec_args, candidate, x, k, args, interpret: bool):
 
 
 def _name(candidate) -> str:
-    return "default" if candidate is None else "p{}_c{}_t{}".format(*candidate)
+    if candidate is None:
+        return "default"
+    return "p{}_c{}_t{}".format(*candidate[:3]) + ("_padin" if candidate[3:] == (True,) else "")
 
 
 def main() -> None:
@@ -94,13 +100,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--layers", nargs="+", default=list(LAYERS))
     parser.add_argument("--quick", action="store_true", help="two candidates of the first layer, N=2, on the CPU")
+    parser.add_argument("--pad-in-kernel", action="store_true",
+                        help="the default blocks against the same with pad_in_kernel=True")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     preset = PRESET
     gemm, wgrad, layers, batch = GEMM_CANDIDATES, WEIGHT_GRAD_CANDIDATES, args.layers, None
+    if args.pad_in_kernel:
+        gemm = wgrad = PAD_CANDIDATES
     if args.quick:
         preset = dataclasses.replace(preset, samples=1, min_sample_s=0.0, warmup=0, max_input_sets=1, peak_n=256)
-        gemm, wgrad, layers, batch = GEMM_CANDIDATES[:2], WEIGHT_GRAD_CANDIDATES[:2], layers[:1], 2
+        gemm, wgrad, layers, batch = gemm[:2], wgrad[:2], layers[:1], 2
     meta = metadata("tpu_blocks", "python -m benchmarks.masked_conv_tpu_blocks")
     peak = measure_peak("bfloat16", preset.peak_n, preset)
     print(f"bfloat16 {preset.peak_n}^3 matmul: {peak / 1e12:.1f} TFLOP/s", flush=True)

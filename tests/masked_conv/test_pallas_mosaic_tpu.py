@@ -398,3 +398,67 @@ def test_default_config_shrinks_the_weight_gradient_taps_first():
 def test_default_config_names_the_kernel():
     with pytest.raises(ValueError, match="kernel must be one of"):
         Config.get_default(_spec((1, 8, 8, 3), (3, 3, 3, 3)), np.float32, "backward")
+
+
+# --------------------------------------------------------------------------- padding in the kernel
+
+_PAD_CASES = {  # x shape, mask, keywords, whether the kernels pad (each of the three)
+    "3x3B_SAME": ((2, 8, 16, 4), mk.pixelcnn_mask((3, 3), "B"), {}, True),
+    "5x5A_SAME": ((2, 8, 16, 4), mk.pixelcnn_mask((5, 5), "A"), {}, True),
+    "3x3A_dilated": ((1, 9, 32, 3), mk.pixelcnn_mask((3, 3), "A"), dict(dilation=2), True),
+    "VALID_crops": ((2, 8, 16, 4), mk.pixelcnn_mask((3, 3), "B"), dict(padding="VALID"), False),
+    "width_not_whole_tiles": ((2, 8, 12, 4), mk.pixelcnn_mask((3, 3), "B"), {}, False),
+    "rows_in_two_steps": ((2, 8, 16, 4), mk.pixelcnn_mask((3, 3), "B"), dict(config=dict(block_pixels=64)), False),
+    "1d": ((2, 32, 4), mk.causal_mask(3), dict(padding="CAUSAL"), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PAD_CASES))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_padding_in_the_kernel_gives_the_same_bits(name, dtype):
+    """``Config(pad_in_kernel=True)``: where a step holds a whole image whose width is whole
+    sublane tiles and the padding crops nothing, the kernels read the unpadded operand and
+    pad it in VMEM; forward, input and weight gradients are then the padded copy's bit for
+    bit, NaN inputs included (so what the shared suite proves of the default holds); elsewhere
+    nothing changes."""
+    shape, mask, kw, pads = _PAD_CASES[name]
+    kw = dict(kw)
+    blocks = kw.pop("config", {})
+    x = np.array(random(0, shape), np.float32)
+    x[(0,) * (len(shape) - 2) + (-1, 0)] = np.nan  # the last pixel: the future of every other
+    x, k = jnp.asarray(x, dtype), random(1, (*mask.shape, shape[-1], 5), dtype)
+    itemsize = np.dtype(dtype).itemsize
+    problem = kernel_problem(make_spec(x, k, mask, **kw).channels_last())
+    insides = [pallas_mosaic_tpu.config.geometry(problem, kernel, itemsize, Config(pad_in_kernel=True, **blocks)).inside
+               for kernel in KERNELS]
+    assert all((inside is not None) == pads for inside in insides), insides
+
+    def value_and_grad(config):
+        def loss(x, k):
+            y = mk.masked_conv(x, k, mask, implementation=IMPL, interpret=INTERPRET, config=config, **kw)
+            return jnp.nansum(y.astype(jnp.float32) ** 2), y
+        return jax.value_and_grad(loss, (0, 1), has_aux=True)(x, k)
+
+    for got, expected in zip(jax.tree.leaves(value_and_grad(Config(pad_in_kernel=True, **blocks))),
+                             jax.tree.leaves(value_and_grad(Config(**blocks)))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_padding_in_the_kernel_leaves_no_padded_copy_when_lowered_for_tpu():
+    """Lowered for a TPU from this host, forward and both gradients with ``pad_in_kernel``
+    hold the three Mosaic kernels and no ``pad`` of the image (the default holds one a
+    kernel that reads an image)."""
+    mask, x, k = mk.pixelcnn_mask((3, 3), "B"), jnp.zeros((2, 9, 16, 8), jnp.bfloat16), jnp.zeros((3, 3, 8, 8), jnp.bfloat16)
+
+    def lowered(config):
+        loss = lambda x, k: mk.masked_conv(x, k, mask, implementation=IMPL, config=config).astype(jnp.float32).sum()  # noqa: E731
+        return _lower_for_tpu(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
+
+    def pads(text):  # pads that add rows or columns (XLA drops those of zero widths)
+        widths = re.findall(r"stablehlo\.pad .*low = \[([^\]]*)\], high = \[([^\]]*)\]", text)
+        return [w for w in widths if any(int(n) for n in ",".join(w).split(","))]
+
+    inside, padded = lowered(Config(pad_in_kernel=True)), lowered(Config())
+    for text in (inside, padded):
+        assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 3
+    assert not pads(inside) and len(pads(padded)) >= 3, (pads(inside), pads(padded))

@@ -57,16 +57,24 @@ class Config:
         whole number of lane tiles) up to 2048; fewer channels than this are one block.
       block_taps: active taps per weight-gradient grid step (its accumulator holds
         ``block_taps x C_in x block_channels`` float32 values); at least 1.
+      pad_in_kernel: the kernels pad their image operand in VMEM instead of reading a
+        padded copy that XLA makes in HBM first, where a grid step holds a whole image
+        and the operand's width is whole sublane tiles (:func:`.geometry.make_geometry`);
+        elsewhere it changes nothing. Results are the same bit for bit. Off until timed
+        on a TPU (the copy is one image's read and write per kernel).
     """
 
     block_pixels: int = 2048
     block_channels: int = 256
     block_taps: int = 64
+    pad_in_kernel: bool = False
 
     def __post_init__(self):
         for field in ("block_pixels", "block_channels", "block_taps"):
             if not _is_int(getattr(self, field)):
                 raise TypeError(f"Config.{field} must be an int, got {getattr(self, field)!r}")
+        if not isinstance(self.pad_in_kernel, bool):
+            raise TypeError(f"Config.pad_in_kernel must be a bool, got {self.pad_in_kernel!r}")
         p = self.block_pixels
         if not _MIN_PIXELS <= p <= _MAX_PIXELS or p & (p - 1):
             raise ValueError(f"Config.block_pixels must be a power of two from {_MIN_PIXELS} to {_MAX_PIXELS}, got {p}")
@@ -128,7 +136,8 @@ def geometry(problem: KernelProblem, kernel: str, itemsize: int, config: Config)
         taps, c_read, c_result = input_grad_taps(problem), problem.c_out, problem.c_in
     else:
         taps, c_read, c_result = forward_taps(problem), problem.c_in, problem.c_out
-    return make_geometry(taps, c_read, c_result, itemsize, config.block_pixels, config.block_channels)
+    return make_geometry(taps, c_read, c_result, itemsize, config.block_pixels, config.block_channels,
+                         pad_inside=config.pad_in_kernel)
 
 
 def vmem_bytes(problem: KernelProblem, kernel: str, itemsize: int, config: Config) -> int:

@@ -126,12 +126,15 @@ def _geometry(job, kernel: str, dtype) -> tuple[Geometry, Config]:
 
 
 def _pad_image(a, g: Geometry):
-    """``[N, *g.image, C]``: ``a`` with the taps' zero padding, cropped to what they read, then zero-extended.
+    """``[N, *g.image, C]``: ``a`` with the taps' zero padding, cropped to what they read, then zero-extended
+    (``a`` itself where the kernel pads, ``g.inside``).
 
     First exactly the convolution's padding (``lax.pad``; negative padding crops), up to
     the last row and column an active tap of a real result reads; then zeros to the
     blocks' extent. Padding in one step would keep real rows that a crop removes.
     """
+    if g.inside is not None:
+        return a  # the kernel pads it in VMEM
     t = g.taps
     (lo_h, lo_w), (h, w), (oh, ow), (reach_h, reach_w) = t.pad_lo, t.in_hw, t.out_hw, t.reach
     a = lax.pad(a, jnp.zeros((), a.dtype), [

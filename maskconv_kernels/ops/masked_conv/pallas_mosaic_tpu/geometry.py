@@ -157,6 +157,10 @@ class Geometry:
       c_result: result channels.
       block_n: result channels per grid step: all of them, or a multiple of 128.
       itemsize: bytes of an operand element.
+      inside: ``(H, W)`` where the kernel pads the operand itself (:func:`make_geometry`'s
+        ``pad_inside``): it reads the unpadded ``[N, H, W, C]``, a whole image a step, and
+        places it in its VMEM window, zero around; ``None``: the operand comes padded
+        (``image``), a copy in HBM before the kernel.
     """
 
     taps: Taps
@@ -169,6 +173,23 @@ class Geometry:
     c_result: int
     block_n: int
     itemsize: int
+    inside: tuple[int, int] | None = None
+
+    @property
+    def col_shift(self) -> int:
+        """Columns the window has before the padded image's first where the kernel pads:
+        the operand's first column then lands on a whole sublane tile (its store is
+        aligned; the taps' loads are shifted anyway)."""
+        if self.inside is None:
+            return 0
+        lo = self.taps.pad_lo[1]
+        return round_up(lo, sublanes(self.itemsize)) - lo
+
+    @property
+    def halo_blocks(self) -> bool:
+        """Whether a grid step reads a halo block beside its image block (the window is
+        then their copy)."""
+        return bool(self.halo) and self.inside is None
 
     @property
     def rows(self) -> int:
@@ -201,6 +222,8 @@ class Geometry:
     @property
     def main_block(self) -> tuple[int, int]:
         """Spatial shape of the image block a grid step reads (the halo's comes after it)."""
+        if self.inside is not None:
+            return self.inside
         return (self.block, self.image[1]) if self.axis == 1 else (self.image[0], self.block)
 
     @property
@@ -210,6 +233,8 @@ class Geometry:
     @property
     def window(self) -> tuple[int, int]:
         """Spatial shape of the VMEM window a grid step's taps read: its block and halo."""
+        if self.inside is not None:
+            return self.image[0], self.image[1] + self.col_shift
         if self.axis == 1:
             return self.block + self.halo, self.image[1]
         return self.image[0], self.block + self.halo
@@ -224,8 +249,10 @@ class Geometry:
         """
         s, f32 = self.itemsize, 4
         image = 2 * padded_bytes((*self.main_block, self.c_read), s)
-        if self.halo:
-            image += 2 * padded_bytes((*self.halo_block, self.c_read), s) + padded_bytes((*self.window, self.c_read), s)
+        if self.halo_blocks:
+            image += 2 * padded_bytes((*self.halo_block, self.c_read), s)
+        if self.halo_blocks or self.inside is not None:
+            image += padded_bytes((*self.window, self.c_read), s)
         operand = padded_bytes((self.pixels, self.c_read), f32)  # one tap's slice, widened by selects at worst
         result = padded_bytes((self.pixels, self.block_n), f32)
         if kernel == "weight_grad":
@@ -241,9 +268,11 @@ class Geometry:
 
 def make_geometry(
     taps: Taps, c_read: int, c_result: int, itemsize: int, block_pixels: int, block_channels: int,
+    pad_inside: bool = False,
 ) -> Geometry:
     """The blocks of ``taps`` for about ``block_pixels`` result pixels and at most
-    ``block_channels`` result channels (a multiple of 128) per grid step."""
+    ``block_channels`` result channels (a multiple of 128) per grid step; with
+    ``pad_inside``, the kernel pads the operand where :func:`_fits_inside` allows."""
     sub = sublanes(itemsize)
     (oh, ow), (reach_r, reach_c) = taps.out_hw, taps.reach
     if oh > 1:
@@ -264,4 +293,15 @@ def make_geometry(
         image = (oh + reach_r, out_pad[1] + halo)
         axis = 2
     block_n = c_result if c_result <= block_channels else block_channels
-    return Geometry(taps, axis, block, halo, out_pad, image, c_read, c_result, block_n, itemsize)
+    g = Geometry(taps, axis, block, halo, out_pad, image, c_read, c_result, block_n, itemsize)
+    return dataclasses.replace(g, inside=tuple(taps.in_hw)) if pad_inside and _fits_inside(g) else g
+
+
+def _fits_inside(g: Geometry) -> bool:
+    """Whether the kernel can pad the operand itself: one grid step of rows holds the whole
+    image (2-D), the padding is not negative, every operand row and column lies within the
+    padded image (the padding outside would crop none), and the operand's width is whole
+    sublane tiles (its store into the window is aligned at both ends)."""
+    (lo_h, lo_w), (h, w) = g.taps.pad_lo, g.taps.in_hw
+    return (g.axis == 1 and g.steps == 1 and lo_h >= 0 and lo_w >= 0 and lo_h + h <= g.image[0]
+            and lo_w + w <= g.image[1] and w % sublanes(g.itemsize) == 0)

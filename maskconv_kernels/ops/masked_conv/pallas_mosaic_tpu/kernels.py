@@ -56,6 +56,8 @@ def _image_specs(g: Geometry, n_of, i_of) -> list:
     The halo block has ``g.halo`` rows (columns), which divides ``g.block``: the rows after
     block ``i`` are halo block ``(i + 1) * block / halo`` of the same padded image.
     """
+    if g.inside is not None:  # the whole unpadded image, which the kernel pads
+        return [pl.BlockSpec((pl.Squeezed(), *g.inside, g.c_read), lambda *ids: (n_of(ids), 0, 0, 0))]
     specs = [pl.BlockSpec((pl.Squeezed(), *g.main_block, g.c_read), lambda *ids: _at(g, n_of(ids), i_of(ids)))]
     if g.halo:
         per_block = g.block // g.halo
@@ -74,8 +76,13 @@ def _window(image_ref, halo_ref, window_ref, g: Geometry):
     """The ref every tap of this step reads: the image block followed by its halo block.
 
     Without a halo (every tap at offset 0 along the blocked axis) the image block is the
-    window. The copy is one pass over the window per step, beside a matmul per tap.
+    window. The copy is one pass over the window per step, beside a matmul per tap. Where
+    the kernel pads (``g.inside``), the window is the unpadded image stored at the padding's
+    origin (its columns shifted by ``g.col_shift`` onto a whole sublane tile) and zeros
+    stored around it.
     """
+    if g.inside is not None:
+        return _padded_window(image_ref, window_ref, g)
     if halo_ref is None:
         return image_ref
     b = g.block
@@ -88,13 +95,31 @@ def _window(image_ref, halo_ref, window_ref, g: Geometry):
     return window_ref
 
 
+def _padded_window(image_ref, window_ref, g: Geometry):
+    """The padded image in ``window_ref``: zeros stored around the operand, each step (a
+    core of a megacore chip may start at any step)."""
+    (h, w), (rows, cols) = g.inside, g.window
+    top, left = g.taps.pad_lo[0], g.taps.pad_lo[1] + g.col_shift
+    zeros = lambda r, c: jnp.zeros((r, c, g.c_read), window_ref.dtype)  # noqa: E731
+    if top:
+        window_ref[:top] = zeros(top, cols)
+    if rows > top + h:
+        window_ref[top + h:] = zeros(rows - top - h, cols)
+    if left:
+        window_ref[top:top + h, :left] = zeros(h, left)
+    if cols > left + w:
+        window_ref[top:top + h, left + w:] = zeros(h, cols - left - w)
+    window_ref[top:top + h, left:left + w] = image_ref[...]
+    return window_ref
+
+
 def _operand(window, g: Geometry, offset: tuple[int, int]):
     """Tap operand ``[rows, cols, C_read]``: the window at the tap's static offset.
 
     Row offsets index the untiled leading dimension; column offsets are static sublane
     offsets (Mosaic shifts the loaded tiles).
     """
-    dr, dc = offset
+    dr, dc = offset[0], offset[1] + g.col_shift
     return window[dr:dr + g.rows, dc:dc + g.cols, :]
 
 
@@ -105,16 +130,19 @@ def _lanes(shape, offset=0):
 
 def _unpack(refs, g: Geometry):
     """``(image, halo or None, other input, output, accumulator, window or None)``."""
-    if g.halo:
+    if g.halo_blocks:
         image_ref, halo_ref, other_ref, out_ref, acc_ref, window_ref = refs
         return image_ref, halo_ref, other_ref, out_ref, acc_ref, window_ref
+    if g.inside is not None:
+        image_ref, other_ref, out_ref, acc_ref, window_ref = refs
+        return image_ref, None, other_ref, out_ref, acc_ref, window_ref
     image_ref, other_ref, out_ref, acc_ref = refs
     return image_ref, None, other_ref, out_ref, acc_ref, None
 
 
 def _scratch(g: Geometry, acc_shape, dtype) -> list:
     scratch = [pltpu.VMEM(acc_shape, jnp.float32)]
-    if g.halo:
+    if g.halo_blocks or g.inside is not None:
         scratch.append(pltpu.VMEM((*g.window, g.c_read), dtype))
     return scratch
 
@@ -158,7 +186,8 @@ def tap_gemm(image, w, g: Geometry, out_dtype, *, precision, interpret: bool, na
     """``[N, *g.out_pad, C_result_pad]`` in ``out_dtype``: the forward or the input gradient.
 
     Args:
-      image: ``[N, *g.image, C_read]``, the padded operand (:func:`.conv._pad_image`).
+      image: ``[N, *g.image, C_read]``, the padded operand (:func:`.conv._pad_image`), or
+        the unpadded ``[N, *g.inside, C_read]`` where the kernel pads.
       w: ``[pieces, C_read, C_result_pad]``, one weight matrix per piece.
       g: the blocks.
       out_dtype: the result's dtype (accumulated in float32, rounded once).
@@ -185,7 +214,7 @@ def tap_gemm(image, w, g: Geometry, out_dtype, *, precision, interpret: bool, na
         compiler_params=_compiler_params(("parallel", "parallel", "parallel")),
         interpret=interpret,
         name=name,
-    )(*([image, image] if g.halo else [image]), w)
+    )(*([image, image] if g.halo_blocks else [image]), w)
 
 
 # --------------------------------------------------------------------------- weight gradient
@@ -256,7 +285,8 @@ def tap_weight_grad(image, dy, g: Geometry, block_taps: int, out_dtype, *, preci
     """``[1, taps_pad, C_in, C_out_pad]`` in ``out_dtype``: ``sum_pixels x_tap^T @ dy`` per active tap.
 
     Args:
-      image: ``[N, *g.image, C_in]``, the padded ``x``, as the forward reads it.
+      image: ``[N, *g.image, C_in]``, the padded ``x``, as the forward reads it (unpadded
+        where the kernel pads).
       dy: ``[N, *g.out_pad, C_out_pad]``, zero-padded.
       g: the forward's blocks.
       block_taps: active taps per grid step (``taps_pad`` is the taps rounded up to it).
@@ -279,4 +309,4 @@ def tap_weight_grad(image, dy, g: Geometry, block_taps: int, out_dtype, *, preci
         compiler_params=_compiler_params(("parallel", "parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name=name,
-    )(*([image, image] if g.halo else [image]), dy)
+    )(*([image, image] if g.halo_blocks else [image]), dy)
