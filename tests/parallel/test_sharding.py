@@ -96,12 +96,25 @@ def _one_device(x, k):
 CASES = [(n, t) for n in DATA_PARALLEL for t in (AxisType.Auto, AxisType.Explicit) if (n, t.name) != ("xla-as-kernel", "Explicit")]
 
 
+def _known_gather(params: list) -> list:
+    """The cases with the Mosaic TPU kernels interpreted under ``Explicit`` axes marked as
+    the known failure they are (strict: a fix makes them fail until the mark goes): the
+    compiled program all-gathers the batch into the interpreter's loops (found on
+    2026-12-07 by the slow tier's rotation, failing since the case was added, on jax
+    0.10.2 and 0.12.1; ``Auto`` axes keep it split). No TPU with several chips has run it
+    compiled."""
+    gathers = pytest.mark.xfail(strict=True, reason="the interpreted TPU kernels gather the batch under Explicit axes")
+    return [pytest.param(*p.values, marks=(*p.marks, gathers)) if p.values == ("pallas_mosaic_tpu", AxisType.Explicit)
+            else p for p in params]
+
+
 @needs_mesh
 # Both axis types on xla; the kernel backends with Auto (the common jit program) in the fast tier,
 # but for the TPU kernels (named only; interpreted, their fast tier is test_pallas_mosaic_tpu.py).
 @pytest.mark.parametrize(
     "name, axis_type",
-    tiered(CASES, lambda c: c[0] == "xla" or (c[1] == AxisType.Auto and c[0] != "pallas_mosaic_tpu"), spread=True),
+    _known_gather(tiered(
+        CASES, lambda c: c[0] == "xla" or (c[1] == AxisType.Auto and c[0] != "pallas_mosaic_tpu"), spread=True)),
     ids=[f"{n}-{t.name}" for n, t in CASES],
 )
 def test_data_parallel_stays_sharded_and_matches_one_device(name, axis_type):
