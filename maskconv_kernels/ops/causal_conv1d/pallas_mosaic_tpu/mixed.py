@@ -66,7 +66,7 @@ class MixedStatic:
 
     problem: Problem  # the width, dilation, bias and activation
     state_len: int  # S: inputs a slot holds, >= problem.state_len = (W - 1) * dilation
-    tile: int  # tokens per grid step (a multiple of 8, or all T)
+    tile: int  # tokens per grid step (a multiple of 16, or all T)
     channels: int  # channels per grid step: D, or a multiple of 128 that divides it
 
     @property
@@ -74,13 +74,17 @@ class MixedStatic:
         """``H``: rows of the previous tile the frame keeps, for the taps and the state."""
         return round_up(max(self.problem.state_len, self.state_len, 1), 16)
 
+    @property
+    def slot_rows(self) -> int:
+        """Rows of a float32 slot buffer: ``S`` on whole 8-row sublane tiles."""
+        return round_up(self.state_len, 8)
 
     def vmem_bytes(self, x_itemsize: int, pool_itemsize: int) -> int:
         """The VMEM a grid step holds: the float32 slots read and states to write (8 rows a
         token), their 16-bit twins for a 16-bit pool, the frame and the slot inputs by row,
         and x's and y's double-buffered blocks."""
-        rows, packed_rows = round_up(self.state_len, 8), round_up(self.state_len, 16)
-        slots = 2 * self.tile * rows * self.channels * 4
+        packed_rows = round_up(self.state_len, 16)
+        slots = 2 * self.tile * self.slot_rows * self.channels * 4
         packed = 0 if pool_itemsize == 4 else 2 * self.tile * packed_rows * self.channels * pool_itemsize
         frames = (1 + len(_slot_rows(self))) * (self.halo + self.tile) * self.channels * 4
         return slots + packed + frames + 4 * self.tile * self.channels * x_itemsize
@@ -291,8 +295,7 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     tokens, dim = x_shape
     grid = (dim // s.channels, cdiv(tokens, s.tile))
     tile = pl.BlockSpec((s.tile, s.channels), lambda c, k, *_: (k, c))
-    rows = round_up(s.state_len, 8)
-    slots32 = [pltpu.VMEM((s.tile, rows, s.channels), jnp.float32) for _ in range(2)]
+    slots32 = [pltpu.VMEM((s.tile, s.slot_rows, s.channels), jnp.float32) for _ in range(2)]
     packed = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, s.state_len, s.channels), pool_dtype)] * 2
     return pool_call(
         functools.partial(_kernel, s=s, dim=dim),
