@@ -9,8 +9,8 @@ from jax import lax
 import maskconv_kernels as mk
 
 __all__ = [
-    "TOLERANCE", "DTYPES", "pass_roundoff", "tolerance", "random", "assert_close", "second_order",
-    "assert_second_order_close",
+    "TOLERANCE", "DTYPES", "pass_roundoff", "tolerance", "random", "assert_close", "assert_same_bits",
+    "second_order", "assert_second_order_close",
 ]
 
 
@@ -115,6 +115,22 @@ def assert_close(actual, expected, dtype, reduction: int, scale: float, precisio
     bound = tolerance(dtype, reduction, precision, operands=operands) * scale
     err = np.abs(actual - expected).max(initial=0.0)
     assert err <= bound, f"max error {err:.3g} exceeds {bound:.3g} (reduction {reduction}, scale {scale:.3g})"
+
+
+def assert_same_bits(actual, expected):
+    """The same bits where ``expected`` is a number, a NaN where it is a NaN.
+
+    A NaN's sign and payload are not part of a result (IEEE leaves them to the operation),
+    and NumPy's own NaN matching skips 16-bit dtypes it does not know: on a TPU host's NumPy,
+    ``assert_array_equal`` called two bfloat16 NaNs different.
+    """
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (actual.shape, actual.dtype,
+                                                                                expected.shape, expected.dtype)
+    nan = np.isnan(expected.astype(np.float64))
+    np.testing.assert_array_equal(np.isnan(actual.astype(np.float64)), nan, err_msg="NaNs in other places")
+    bits = np.dtype(f"u{actual.dtype.itemsize}")
+    np.testing.assert_array_equal(actual.view(bits)[~nan], expected.view(bits)[~nan], err_msg="other bits")
 
 
 def second_order(conv, x, k, mask):

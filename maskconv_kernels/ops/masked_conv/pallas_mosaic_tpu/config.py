@@ -60,14 +60,15 @@ class Config:
       pad_in_kernel: the kernels pad their image operand in VMEM instead of reading a
         padded copy that XLA makes in HBM first, where a grid step holds a whole image
         and the operand's width is whole sublane tiles (:func:`.geometry.make_geometry`);
-        elsewhere it changes nothing. Results are the same bit for bit. Off until timed
-        on a TPU (the copy is one image's read and write per kernel).
+        elsewhere it changes nothing. Results are the same bit for bit. On by default:
+        the copy is one image's read and write per kernel, which each kernel timed alone
+        on a TPU v5e paid for (docs/design/tpu.md).
     """
 
     block_pixels: int = 2048
     block_channels: int = 256
     block_taps: int = 64
-    pad_in_kernel: bool = False
+    pad_in_kernel: bool = True
 
     def __post_init__(self):
         for field in ("block_pixels", "block_channels", "block_taps"):
