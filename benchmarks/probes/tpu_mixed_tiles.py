@@ -21,7 +21,7 @@ construction and not checked, only their times are the finding.
 
 ``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
 tiles lie inside a long prefill, where no token reads its slot. ``--tile TxC``: the parts
-at T tokens and C channels a grid step (the default's 64x1024 otherwise).
+at T tokens and C channels a grid step (the default ``Config``'s otherwise).
 """
 import contextlib
 import json
@@ -45,8 +45,10 @@ SHAPES = (_shape(8, 256, chunk=CHUNK or 20),) if INTERPRET else tuple(
     _shape(s.rows, s.dim, s.width, CHUNK or s.chunk, s.block) for s in PRESETS["tpu"][1])
 # (128, 1024), (256, 1024) and (256, 512) ran within 5% of (64, 1024) or behind it on the
 # v5e (benchmarks/results/causal_conv1d_tpu_mixed_tiles_tpu_v5e_jax0.10.jsonl); the wide
-# blocks make fewer slot DMAs (one a request each way per channel block).
-CONFIGS = ((16, 128), (32, 256)) if INTERPRET else ((64, 1024), (128, 2048), (64, 4096), (32, 8192))
+# blocks make fewer slot DMAs (one a request each way per channel block). On 2026-12-07 32 x
+# 8,192 (the default since) beat 64 x 1,024 by 9-16% at all four shapes, 128 x 2,048 and
+# 64 x 4,096 in between (benchmarks/results/tpu-check-2026-12-07e/mixed_tiles.jsonl).
+CONFIGS = ((16, 128), (32, 256)) if INTERPRET else ((32, 8192), (16, 8192), (64, 1024), (64, 4096))
 STEPS = 2 if INTERPRET else 50
 
 
@@ -95,7 +97,7 @@ def patched(names: dict):
 
 
 def parts():
-    config = CONFIGS[0]
+    config = (tpu.Config().step_tokens, tpu.Config().step_channels)
     if "--tile" in sys.argv:
         config = tuple(int(n) for n in sys.argv[sys.argv.index("--tile") + 1].split("x"))
     for shape in SHAPES:

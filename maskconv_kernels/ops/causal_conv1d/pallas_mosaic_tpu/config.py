@@ -55,7 +55,9 @@ class Config:
         ``D``; ``D`` itself where none does). Its slot buffers hold 8 float32 rows a token
         (and ``S`` in the pool's dtype for a 16-bit pool), so their VMEM grows as tokens x
         channels: the tokens are halved until they fit (``MixedStatic.fitted``). A step
-        moves one DMA per request each way and channel block, so wider blocks make fewer.
+        moves one DMA per request each way and channel block, so wider blocks make fewer;
+        of four tiles timed on a TPU v5e, few tokens over all the channels was the fastest
+        at every serving shape (docs/performance.md).
 
     The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
     block: the step's DMA overlaps the previous step's arithmetic) and keep the
@@ -69,8 +71,8 @@ class Config:
     backward_block_channels: int = 512
     decode_rows: int = 8
     decode_channels: int = 8192
-    step_tokens: int = 64
-    step_channels: int = 1024
+    step_tokens: int = 32
+    step_channels: int = 8192
 
     def __post_init__(self):
         for field in ("block_positions", "backward_block_positions"):
