@@ -16,8 +16,10 @@ before the kernel). Outputs and written states are checked against the compositi
 
 ``--parts``: where a grid step's time goes, at the default tiles: the kernel timed whole,
 without its slot selections (each tap and state row takes the frame's rows), without its
-slot DMAs (no copy starts or waits), and without both; the variants' values are wrong by
-construction and not checked, only their times are the finding.
+slot DMAs (no copy starts or waits), and without both; without the state rows (each
+token's would-be state stored and each slot's inputs loaded one sublane a token), with and
+without the slot DMAs. The variants' values are wrong by construction and not checked,
+only their times are the finding.
 
 ``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
 tiles lie inside a long prefill, where no token reads its slot. ``--tile TxC``: the parts
@@ -73,11 +75,14 @@ class _NoCopy:
         pass
 
 
+_NO_ROWS = {"_store_state_row": lambda *_: None, "_load_slot_inputs": lambda *_: None}
 VARIANTS = {
     "whole": {},
     "no selections": {"_chosen": lambda frame_rows, *_: frame_rows},
     "no slot DMAs": {"_slot_copy": lambda *_, **__: _NoCopy()},
     "neither": {"_chosen": lambda frame_rows, *_: frame_rows, "_slot_copy": lambda *_, **__: _NoCopy()},
+    "no state rows": _NO_ROWS,
+    "no state rows, no slot DMAs": {**_NO_ROWS, "_slot_copy": lambda *_, **__: _NoCopy()},
 }
 
 

@@ -130,6 +130,18 @@ def _chosen(frame_rows, slot_row, within, back: int, first: int, h: int, tile: i
     return v
 
 
+def _store_state_row(put32, srow: int, v):
+    """Row ``srow`` of every token's would-be state: ``put32[:, srow]``, one sublane a token."""
+    put32[:, srow, :] = v
+
+
+def _load_slot_inputs(by_row, got32, rows: tuple[int, ...], h: int):
+    """Each slot input ``q`` in ``rows`` by the row of its request's first token:
+    ``got32[:, q]``, one sublane a token."""
+    for n, q in enumerate(rows):
+        by_row[n, h:] = got32[:, q, :]
+
+
 def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, within_ref, x_ref, w_ref, *refs,
             s: MixedStatic, dim: int):
     """One ``[tile, channels]`` block of the outputs, and the new states of the requests
@@ -221,16 +233,15 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
         for tap, back in enumerate(backs):
             v = inputs_back(back)
             if back < sl:
-                put32[:, sl - 1 - back, :] = v
+                _store_state_row(put32, sl - 1 - back, v)
             pre = pre + w_ref[tap:tap + 1, :] * v
         y_ref[...] = jnp.where(within < 0, 0.0, _act(pre, s)).astype(y_ref.dtype)
         for back in sorted(set(range(sl)) - set(backs)):
-            put32[:, sl - 1 - back, :] = inputs_back(back)
+            _store_state_row(put32, sl - 1 - back, inputs_back(back))
 
     @pl.when(busy_ref[k] != 0)
     def _():
-        for n, q in enumerate(rows):
-            by_row[n, h:] = got32[:, q, :]
+        _load_slot_inputs(by_row, got32, rows, h)
         outputs_and_states(True)
 
     @pl.when(busy_ref[k] == 0)  # a tile of prefill tokens past their slots' reach
