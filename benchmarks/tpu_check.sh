@@ -32,8 +32,8 @@
 # TPU_CHECK_ALLOW_CPU=1 lets the script run without a TPU (to test the script itself).
 #
 # The limits add up to under 9 minutes with stage 1's ~20 s and the summary (538 s): a stage that
-# runs long is cut, not the check. On 2026-12-07 (fourth session, commit 3ae983d) it ended by
-# itself in 427 s with every stage's rows. On a warm TPU v5e (2026-12-07, commit 52ce080) the check
+# runs long is cut, not the check. On 2026-12-07 (fifth session, commit 7656f1e) it ended by
+# itself in 471 s with every stage's rows (fourth session, commit 3ae983d: 427 s). On a warm TPU v5e (2026-12-07, commit 52ce080) the check
 # ended by itself in 509 s: the seed took 19 s, the leak report 91 s, causal_conv 50 s; the
 # grid wrote no row in 130 s (its first cell compiled lax.conv in 25 s and xla in 42 s), the
 # kernel suites were cut at 69 of 71 tests (85 s), so the grid now times the default kernel
