@@ -5,6 +5,7 @@
     python -m benchmarks.probes.tpu_mixed_tiles --parts      # where a grid step's time goes
     python -m benchmarks.probes.tpu_mixed_tiles --parts --chunk 512  # prefill chunks of 512 tokens
     python -m benchmarks.probes.tpu_mixed_tiles --parts --tile 64x2048  # the parts at other tiles
+    python -m benchmarks.probes.tpu_mixed_tiles --parts --frame  # with Config(step_states_from_frame=True)
 
 ``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
 SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
@@ -50,8 +51,16 @@ SHAPES = (_shape(8, 256, chunk=CHUNK or 20),) if INTERPRET else tuple(
 # blocks make fewer slot DMAs (one a request each way per channel block). On 2026-12-07 32 x
 # 8,192 (the default since) beat 64 x 1,024 by 9-16% at all four shapes, 128 x 2,048 and
 # 64 x 4,096 in between (benchmarks/results/tpu-check-2026-12-07e/mixed_tiles.jsonl).
-CONFIGS = ((16, 128), (32, 256)) if INTERPRET else ((32, 8192), (16, 8192), (64, 1024), (64, 4096))
+# A third element True: Config(step_states_from_frame=True) (ending long requests' states
+# copied from the frame, not stored for every token).
+CONFIGS = ((16, 128), (16, 128, True), (32, 256)) if INTERPRET else (
+    (32, 8192), (32, 8192, True), (16, 8192), (64, 4096))
+FRAME = "--frame" in sys.argv
 STEPS = 2 if INTERPRET else 50
+
+
+def _name(config) -> str:
+    return f"{config[0]}x{config[1]}" + ("+frame" if config[2:] == (True,) else "")
 
 
 def kernel(config):
@@ -63,7 +72,8 @@ def kernel(config):
         problem = problem_of(s.x[None], s.weight, s.bias, None, s.pool, activation="silu", dilation=1)
         return tuple(tpu.step(s.x, s.pool, s.weight, s.bias, s.query_start_loc, reads, writes, owner,
                               within.astype(jnp.int32), problem=problem, config=tpu.Config(
-                                  step_tokens=config[0], step_channels=config[1]), interpret=INTERPRET))
+                                  step_tokens=config[0], step_channels=config[1],
+                                  step_states_from_frame=config[2:] == (True,)), interpret=INTERPRET))
     return f
 
 
@@ -105,6 +115,7 @@ def parts():
     config = (tpu.Config().step_tokens, tpu.Config().step_channels)
     if "--tile" in sys.argv:
         config = tuple(int(n) for n in sys.argv[sys.argv.index("--tile") + 1].split("x"))
+    config += (True,) if FRAME else ()
     for shape in SHAPES:
         step = make_step(shape, "mixed", jnp.bfloat16)
         fns = {}
@@ -113,7 +124,8 @@ def parts():
                 fns[name] = jax.jit(in_place(kernel(config), STEPS)).lower(step).compile()
         grid_steps = -(-int(step.x.shape[0]) // config[0]) * (shape.dim // min(shape.dim, config[1]))
         for name, t in median_times(fns, [(step,)], 5 if INTERPRET else 10).items():
-            print(json.dumps(dict(shape=shape.name, chunk=shape.chunk, tile=config[0], channels=config[1], variant=name,
+            print(json.dumps(dict(shape=shape.name, chunk=shape.chunk, tile=config[0], channels=config[1], frame=FRAME,
+                                  variant=name,
                                   median_s=t / STEPS, per_grid_step_s=t / STEPS / grid_steps)), flush=True)
 
 
@@ -126,13 +138,14 @@ def main():
         ref_y, ref_pool = jax.jit(ours(shape, "mixed", "xla"))(step)
         fns = {"composition": jax.jit(in_place(ours(shape, "mixed", "xla"), STEPS))}
         for config in CONFIGS:
-            row = dict(shape=shape.name, tokens=int(step.x.shape[0]), tile=config[0], channels=config[1])
+            row = dict(shape=shape.name, tokens=int(step.x.shape[0]), tile=config[0], channels=config[1],
+                       states_from_frame=config[2:] == (True,))
             try:
                 y, pool = jax.jit(kernel(config))(step)
                 row.update(max_abs_diff=float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref_y.astype(jnp.float32)))),
                            states_equal=bool(np.array_equal(np.asarray(pool[step.state_indices]),
                                                             np.asarray(ref_pool[step.state_indices]))))
-                fns[f"{config[0]}x{config[1]}"] = jax.jit(in_place(kernel(config), STEPS))
+                fns[_name(config)] = jax.jit(in_place(kernel(config), STEPS))
             except Exception as e:  # noqa: BLE001 - a refused config is the finding
                 row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             print(json.dumps(row), flush=True)

@@ -82,6 +82,11 @@ def test_config_says_what_a_block_must_be(field, value):
         Config(**{field: value})
 
 
+def test_config_takes_a_bool_for_where_states_come_from():
+    with pytest.raises(TypeError, match="Config.step_states_from_frame must be a bool"):
+        Config(step_states_from_frame=1)
+
+
 # --------------------------------------------------------------------------- lowering for a TPU
 
 
@@ -206,6 +211,32 @@ def test_a_mixed_serving_step_lowers_for_tpu_to_one_kernel_on_the_donated_pool(p
         assert "tpu_custom_call" not in step.trace(x, pool, w, b, qsl, idx).lower(lowering_platforms=("cpu",)).as_text()
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_the_mixed_step_kernel_taking_states_from_its_frame_lowers_for_tpu(pool_dtype):
+    """With ``Config(step_states_from_frame=True)`` at the default tiles (its aligned window
+    load and run-time sublane roll), the mixed step's kernel lowers for a TPU to one named
+    Mosaic kernel, and its module differs from the default's."""
+    from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
+    from maskconv_kernels.ops.causal_conv1d.checks import problem_of
+
+    tokens, requests, dim = 200, 8, 2048
+    x, pool = jnp.zeros((tokens, dim), jnp.bfloat16), jnp.zeros((64, 3, dim), pool_dtype)
+    w, b = jnp.zeros((4, dim), jnp.float32), jnp.zeros((dim,), jnp.float32)
+    problem = problem_of(x[None], w, b, None, pool, activation="silu", dilation=1)
+    ints = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
+
+    def lowered(config):
+        step = jax.jit(lambda x, pool, qsl, reads, writes, owner, within: tpu.step(
+            x, pool, w, b, qsl, reads, writes, owner, within, problem=problem, config=config))
+        args = (x, pool, ints(requests + 1), ints(requests), ints(requests), ints(tokens), ints(tokens))
+        return step.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+    text = lowered(Config(step_states_from_frame=True))
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
+    assert f'kernel_name = "{MIXED_KERNEL}"' in text
+    assert text != lowered(Config())
+
+
 def _mixed_oracle(x, pool, w, bias, qsl, reads, writes, problem):
     """float64: each request's outputs over its slot's last inputs (zeros where it reads
     none, NaN outside the pool) then its tokens, and the pool with its last ``S`` inputs
@@ -231,14 +262,18 @@ def _mixed_oracle(x, pool, w, bias, qsl, reads, writes, problem):
 @pytest.mark.parametrize("width, dilation, state_len, x_dtype, pool_dtype",
                          [(4, 1, 3, F32, F32), (3, 2, 5, BF16, BF16), (4, 1, 3, BF16, F32)],
                          ids=["W4_f32", "W3_d2_S5_bf16_bf16pool", "W4_bf16_f32pool"])
-def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilation, state_len, x_dtype, pool_dtype):
+@pytest.mark.parametrize("from_frame", [False, True], ids=["states_stored", "states_from_frame"])
+def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilation, state_len, x_dtype, pool_dtype,
+                                                                  from_frame):
     """The mixed step's kernel alone, at tiles of 16 tokens and blocks of 128 channels: 150
     tokens (ten tiles, the last partial) of requests of 0 to 37 tokens begun in one tile and
     ended tiles later (two of them with their first tokens, which read the slot, in two
     tiles; two tiles where no token reads a slot), decode tokens back to back, fresh rows
     (zeros), a slot outside the pool (NaN), pad rows, NaN padding tokens after the last
     request and NaN in every slot not read: outputs within rounding of a float64 oracle,
-    states bit for bit."""
+    states bit for bit. ``from_frame`` (``Config.step_states_from_frame``): two tiles where
+    only long requests end take their states from the frame, one of them two rows before
+    the tile's end (its window is the frame's last 16 rows)."""
     from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
     from maskconv_kernels.ops.causal_conv1d.checks import problem_of
     from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import NAN, PAD, ZEROS
@@ -265,7 +300,8 @@ def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilatio
     problem = problem_of(x[None], jnp.asarray(w), jnp.asarray(bias), None, pool, activation="silu", dilation=dilation)
     y, new = tpu.step(x, pool, jnp.asarray(w), jnp.asarray(bias), jnp.asarray(qsl), jnp.asarray(codes, jnp.int32),
                       jnp.asarray(writes, jnp.int32), jnp.asarray(owner), jnp.asarray(within), problem=problem,
-                      config=Config(step_tokens=16, step_channels=128), interpret=INTERPRET)
+                      config=Config(step_tokens=16, step_channels=128, step_states_from_frame=from_frame),
+                      interpret=INTERPRET)
     ry, rnew = _mixed_oracle(x, pool, w, bias, qsl, codes, writes, problem)
     y = np.asarray(y, np.float64)
     np.testing.assert_array_equal(np.isnan(y), np.isnan(ry))  # the NaN slot's request's first tokens only

@@ -118,7 +118,8 @@ def step(x, pool, weight, bias, qsl, reads, writes, owner, within, *, problem: P
     config = config if config is not None else Config()
     tokens, dim = x.shape
     tile, channels = config.step_blocks(tokens, dim)
-    s = mixed.MixedStatic(problem=problem, state_len=pool.shape[1], tile=tile, channels=channels)
+    s = mixed.MixedStatic(problem=problem, state_len=pool.shape[1], tile=tile, channels=channels,
+                          states_from_frame=config.step_states_from_frame)
     s = s.fitted(x.dtype.itemsize, pool.dtype.itemsize)
     b = bias.astype(jnp.float32)[None] if bias is not None else None
     return mixed.step(x, pool, weight.astype(jnp.float32), b, qsl, reads, writes, owner, within, s=s,

@@ -58,6 +58,12 @@ class Config:
         moves one DMA per request each way and channel block, so wider blocks make fewer;
         of four tiles timed on a TPU v5e, few tokens over all the channels was the fastest
         at every serving shape (docs/performance.md).
+      step_states_from_frame: the mixed step's kernel stores every token's would-be state
+        (``S`` strided stores a token) only in tiles where a request shorter than ``S``
+        tokens ends (a decode token's state mixes its slot and its token); elsewhere each
+        ending request's state is its last ``S`` inputs, copied from the frame by one
+        aligned load and a sublane roll a request. States are the same bits either way.
+        Off until timed on a TPU.
 
     The defaults fill a grid step with about a MiB of input (Pallas double-buffers each
     block: the step's DMA overlaps the previous step's arithmetic) and keep the
@@ -73,6 +79,7 @@ class Config:
     decode_channels: int = 8192
     step_tokens: int = 32
     step_channels: int = 8192
+    step_states_from_frame: bool = False
 
     def __post_init__(self):
         for field in ("block_positions", "backward_block_positions"):
@@ -85,6 +92,8 @@ class Config:
         if not is_int(self.step_tokens) or self.step_tokens % SUBLANES or not SUBLANES <= self.step_tokens <= 256:
             raise ValueError(f"Config.step_tokens must be a multiple of {SUBLANES} from {SUBLANES} to 256, got "
                              f"{self.step_tokens!r}")
+        if not isinstance(self.step_states_from_frame, bool):
+            raise TypeError(f"Config.step_states_from_frame must be a bool, got {self.step_states_from_frame!r}")
         step = self.step_channels
         if not is_int(step) or step % LANES or not LANES <= step <= 8192:
             raise ValueError(f"Config.step_channels must be a multiple of {LANES} from {LANES} to 8192, got {step!r}")

@@ -22,7 +22,10 @@ Scalar work is per request, vector work per tile; nothing is per token:
 * **states out**: the same selections (one per distance back, shared by a tap and a
   state row) give, at every row, the state a request ending there would leave (its last
   ``S`` inputs of slot and tokens); stored as rows of a ``[tile, S, channels]`` buffer
-  (strided stores), each ending request's is written to its slot by one DMA.
+  (strided stores), each ending request's is written to its slot by one DMA. With
+  ``states_from_frame`` those stores are made only in tiles where a request of fewer than
+  ``S`` tokens ends (``busy`` bit 1); in the others each ending request's state, its last
+  ``S`` inputs, is read from the frame by one aligned 16-row load and a sublane roll.
 
 **Exactness.** A token's output is ``act(bias + sum_t w[t] * v_t)`` in float32 in tap
 order, rounded once, where ``v_t`` is its own request's input or its slot's: a row is
@@ -37,7 +40,8 @@ slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`), ``writes [R]`` (a slot or ``-1``
 per tile ``k`` the requests whose first (``first[k]`` to ``first[k + 1]``) and last
 (``last[k]`` to ``last[k + 1]``) tokens lie in it, and ``busy[k]``: whether a token of
 it reads its slot (for a tap or a state row); a tile that none does (the middle of a
-long prefill) makes no selection, as the forward kernel. Blocked like x: ``within [tiles *
+long prefill) makes no selection, as the forward kernel (bit 0; bit 1: a request of
+fewer than ``S`` tokens ends in it). Blocked like x: ``within [tiles *
 tile, 1]``, each token's index in its request, ``-1`` for padding and pad rows (zeros
 out). Taken for steps whose requests write the slots they read (each slot read by one
 request at most), ``state_len >= (W - 1) * dilation``.
@@ -68,6 +72,14 @@ class MixedStatic:
     state_len: int  # S: inputs a slot holds, >= problem.state_len = (W - 1) * dilation
     tile: int  # tokens per grid step (a multiple of 16, or all T)
     channels: int  # channels per grid step: D, or a multiple of 128 that divides it
+    states_from_frame: bool = False  # Config.step_states_from_frame
+
+    @property
+    def frame_states(self) -> bool:
+        """Whether ending requests of ``S`` tokens or more take their states from the frame:
+        asked for, a state within one 8-row tile, and tiles of whole 8-row tiles (the
+        16-row window at a multiple of 8 that holds a state stays in the frame)."""
+        return self.states_from_frame and self.state_len <= 8 and self.tile % 8 == 0
 
     @property
     def halo(self) -> int:
@@ -140,6 +152,17 @@ def _load_slot_inputs(by_row, got32, rows: tuple[int, ...], h: int):
     ``got32[:, q]``, one sublane a token."""
     for n, q in enumerate(rows):
         by_row[n, h:] = got32[:, q, :]
+
+
+def _state_from_frame(frame, put32, p, s: MixedStatic):
+    """``put32[p, :S]`` = frame rows ``H + p - S + 1 .. H + p``: the last ``S`` inputs of a
+    request of ``S`` tokens or more whose last token is row ``p`` of the tile. One aligned
+    16-row load (at a multiple of 8, no further than the frame's end) and a sublane roll
+    by the state's offset in it; rows ``S..7`` of the result are not read."""
+    first = s.halo + p - s.state_len + 1  # >= 1: H >= S
+    base = pl.multiple_of(jnp.minimum(first & -8, s.halo + s.tile - 16), 8)  # bit masks: no division in Mosaic
+    window = frame[pl.ds(base, 16), :]
+    put32[p] = pltpu.roll(window, (16 - (first - base)) & 15, 0)[:8]
 
 
 def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, within_ref, x_ref, w_ref, *refs,
@@ -218,6 +241,17 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
     slot_row = lambda q: by_row.at[rows.index(q)]  # noqa: E731
     within = within_ref[...]
 
+    # Whether every row's would-be state is stored (else the ending requests' come from the frame).
+    every_state = (busy_ref[k] & 2) != 0
+
+    def state_row(srow: int, v):
+        if not s.frame_states:
+            return _store_state_row(put32, srow, v)
+
+        @pl.when(every_state)
+        def _():
+            _store_state_row(put32, srow, v)
+
     def outputs_and_states(select: bool):
         """y, and every row's would-be state in ``put32``; ``select``: some token reads its
         slot (else every input is the frame's, and no selection is made)."""
@@ -233,18 +267,18 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
         for tap, back in enumerate(backs):
             v = inputs_back(back)
             if back < sl:
-                _store_state_row(put32, sl - 1 - back, v)
+                state_row(sl - 1 - back, v)
             pre = pre + w_ref[tap:tap + 1, :] * v
         y_ref[...] = jnp.where(within < 0, 0.0, _act(pre, s)).astype(y_ref.dtype)
         for back in sorted(set(range(sl)) - set(backs)):
-            _store_state_row(put32, sl - 1 - back, inputs_back(back))
+            state_row(sl - 1 - back, inputs_back(back))
 
-    @pl.when(busy_ref[k] != 0)
+    @pl.when((busy_ref[k] & 1) != 0)
     def _():
         _load_slot_inputs(by_row, got32, rows, h)
         outputs_and_states(True)
 
-    @pl.when(busy_ref[k] == 0)  # a tile of prefill tokens past their slots' reach
+    @pl.when((busy_ref[k] & 1) == 0)  # a tile of prefill tokens past their slots' reach
     def _():
         outputs_and_states(False)
 
@@ -258,6 +292,11 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
 
         @pl.when(write)
         def _():
+            if s.frame_states:
+                @pl.when(jnp.logical_not(every_state))
+                def _():
+                    _state_from_frame(frame, put32, p, s)
+
             if packed:
                 put[pl.ds(p, 1), :sl] = put32[pl.ds(p, 1), :sl].astype(put.dtype)
             _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).start()
@@ -295,9 +334,21 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     last = jnp.searchsorted(qsl[1:], edges, side="right", method="compare_all")  # requests ending at or before it
     reach = max(s.problem.state_len, s.state_len - 1)  # tokens at least this far into a request read no slot
     busy = ((within >= 0) & (within < reach)).reshape(tiles, s.tile).any(axis=1).astype(jnp.int32)
+    busy = busy | 2 * _short_ends(qsl, writes, s, tiles)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
     operands = [within, x, w] + ([bias] if s.problem.has_bias else []) + [pool]
     return call(qsl, reads, writes, first.astype(jnp.int32), last.astype(jnp.int32), busy, *operands)
+
+
+def _short_ends(qsl, writes, s: MixedStatic, tiles: int):
+    """``[tiles]`` int32: 1 where a request of fewer than ``S`` tokens that writes its slot
+    ends in the tile (its state mixes slot and tokens), or everywhere without
+    ``frame_states``."""
+    if not s.frame_states:
+        return jnp.ones((tiles,), jnp.int32)
+    short = (qsl[1:] > qsl[:-1]) & (qsl[1:] - qsl[:-1] < s.state_len) & (writes >= 0)
+    tile_of_end = jnp.where(short, (qsl[1:] - 1) // s.tile, tiles)
+    return jnp.zeros((tiles,), jnp.int32).at[tile_of_end].set(1, mode="drop")
 
 
 @functools.lru_cache(maxsize=64)
