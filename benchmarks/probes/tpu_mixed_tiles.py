@@ -59,8 +59,13 @@ FRAME = "--frame" in sys.argv
 STEPS = 2 if INTERPRET else 50
 
 
+def _from_frame(config) -> bool:
+    """Whether ``config`` (tokens, channels[, True]) takes ending requests' states from the frame."""
+    return config[2:] == (True,)
+
+
 def _name(config) -> str:
-    return f"{config[0]}x{config[1]}" + ("+frame" if config[2:] == (True,) else "")
+    return f"{config[0]}x{config[1]}" + ("+frame" if _from_frame(config) else "")
 
 
 def kernel(config):
@@ -73,7 +78,7 @@ def kernel(config):
         return tuple(tpu.step(s.x, s.pool, s.weight, s.bias, s.query_start_loc, reads, writes, owner,
                               within.astype(jnp.int32), problem=problem, config=tpu.Config(
                                   step_tokens=config[0], step_channels=config[1],
-                                  step_states_from_frame=config[2:] == (True,)), interpret=INTERPRET))
+                                  step_states_from_frame=_from_frame(config)), interpret=INTERPRET))
     return f
 
 
@@ -139,7 +144,7 @@ def main():
         fns = {"composition": jax.jit(in_place(ours(shape, "mixed", "xla"), STEPS))}
         for config in CONFIGS:
             row = dict(shape=shape.name, tokens=int(step.x.shape[0]), tile=config[0], channels=config[1],
-                       states_from_frame=config[2:] == (True,))
+                       states_from_frame=_from_frame(config))
             try:
                 y, pool = jax.jit(kernel(config))(step)
                 row.update(max_abs_diff=float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref_y.astype(jnp.float32)))),

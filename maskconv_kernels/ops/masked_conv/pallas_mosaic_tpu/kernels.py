@@ -121,9 +121,10 @@ def _operand(window, g: Geometry, offset: tuple[int, int], shifted=None):
     offsets (Mosaic shifts the loaded tiles), or, with ``shifted`` (``g.shifted``), the
     index of the buffer that holds the window's columns at that offset.
     """
-    dr, dc = offset[0], offset[1] + g.col_shift
+    dr = offset[0]
     if shifted is not None:
         return shifted[g.column_offsets.index(offset[1]), dr:dr + g.rows]
+    dc = offset[1] + g.col_shift
     return window[dr:dr + g.rows, dc:dc + g.cols, :]
 
 
