@@ -6,6 +6,7 @@
     python -m benchmarks.probes.tpu_mixed_tiles --parts --chunk 512  # prefill chunks of 512 tokens
     python -m benchmarks.probes.tpu_mixed_tiles --parts --tile 64x2048  # the parts at other tiles
     python -m benchmarks.probes.tpu_mixed_tiles --parts --frame  # with Config(step_states_from_frame=True)
+    python -m benchmarks.probes.tpu_mixed_tiles --configs 32x8192 32x8192+frame  # only those configs
 
 ``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
 SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
@@ -55,6 +56,8 @@ SHAPES = (_shape(8, 256, chunk=CHUNK or 20),) if INTERPRET else tuple(
 # copied from the frame, not stored for every token).
 CONFIGS = ((16, 128), (16, 128, True), (32, 256)) if INTERPRET else (
     (32, 8192), (32, 8192, True), (16, 8192), (64, 4096))
+if "--configs" in sys.argv:  # e.g. --configs 32x8192 32x8192+frame: only those
+    CONFIGS = tuple(c for c in CONFIGS if f"{c[0]}x{c[1]}" + ("+frame" if c[2:] else "") in sys.argv)
 FRAME = "--frame" in sys.argv
 STEPS = 2 if INTERPRET else 50
 
