@@ -79,7 +79,7 @@ class Config:
     decode_channels: int = 8192
     step_tokens: int = 32
     step_channels: int = 8192
-    step_states_from_frame: bool = False
+    step_states_from_frame: bool = True
 
     def __post_init__(self):
         for field in ("block_positions", "backward_block_positions"):
