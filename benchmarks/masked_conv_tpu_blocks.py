@@ -13,9 +13,7 @@ a large bfloat16 matmul's rate measured in the same run (the issue's target: 75%
 kernel at C=256). A candidate Mosaic refuses (VMEM) is a row with its error.
 
 ``--pad-in-kernel`` times the default (the kernels pad their image in VMEM, no padded copy
-in HBM) against the same blocks with ``pad_in_kernel=False`` (they read XLA's padded copy);
-``--shift-columns`` against the same blocks with ``shift_columns=True`` (each column offset's
-columns relaid once a step, not a shifted load a tap).
+in HBM) against the same blocks with ``pad_in_kernel=False`` (they read XLA's padded copy).
 ``--quick`` times two candidates of one layer at N=2 interpreted on the CPU: it checks the
 script, not the kernels. Writes ``DIR/masked_conv_tpu_blocks.jsonl`` with the machine's
 metadata and prints a table.
@@ -52,7 +50,6 @@ WEIGHT_GRAD_CANDIDATES = (None, (1024, 256, 64), (512, 256, 64), (256, 256, 64),
 # The default blocks (the kernels pad their image themselves) against the same reading a
 # padded copy (Config.pad_in_kernel=False).
 PAD_CANDIDATES = (None, (2048, 256, 64, False))
-SHIFT_CANDIDATES = (None, (2048, 256, 64, True, True))
 PRESET = Preset(True, ("bfloat16",), (), samples=9, min_sample_s=0.003, warmup=2, max_input_sets=2, peak_n=8192)
 
 
@@ -96,7 +93,7 @@ def _compile(kind, spec_args, candidate, x, k, args, interpret: bool):
 def _name(candidate) -> str:
     if candidate is None:
         return "default"
-    return "p{}_c{}_t{}".format(*candidate[:3]) + {(False,): "_padcopy", (True, True): "_shifted"}.get(candidate[3:], "")
+    return "p{}_c{}_t{}".format(*candidate[:3]) + ("_padcopy" if candidate[3:] == (False,) else "")
 
 
 def main() -> None:
@@ -106,16 +103,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="two candidates of the first layer, N=2, on the CPU")
     parser.add_argument("--pad-in-kernel", action="store_true",
                         help="the default against the same blocks with pad_in_kernel=False")
-    parser.add_argument("--shift-columns", action="store_true",
-                        help="the default against the same blocks with shift_columns=True")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     preset = PRESET
     gemm, wgrad, layers, batch = GEMM_CANDIDATES, WEIGHT_GRAD_CANDIDATES, args.layers, None
     if args.pad_in_kernel:
         gemm = wgrad = PAD_CANDIDATES
-    if args.shift_columns:
-        gemm = wgrad = SHIFT_CANDIDATES
     if args.quick:
         preset = dataclasses.replace(preset, samples=1, min_sample_s=0.0, warmup=0, max_input_sets=1, peak_n=256)
         gemm, wgrad, layers, batch = gemm[:2], wgrad[:2], layers[:1], 2

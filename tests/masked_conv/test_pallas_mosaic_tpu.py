@@ -453,48 +453,6 @@ def _assert_configs_agree(shape, mask, k, kw, config, other):
             assert_same_bits(got, expected)
 
 
-_SHIFT_CASES = {  # x shape, mask, keywords
-    "3x3B_SAME": ((2, 8, 16, 4), mk.pixelcnn_mask((3, 3), "B"), {}),
-    "5x5A_SAME": ((2, 8, 16, 4), mk.pixelcnn_mask((5, 5), "A"), {}),
-    "3x3A_dilated": ((1, 9, 32, 3), mk.pixelcnn_mask((3, 3), "A"), dict(dilation=2)),
-    "5x5B_tap_blocks": ((2, 8, 16, 4), mk.pixelcnn_mask((5, 5), "B"), dict(config=dict(block_taps=4))),
-    "3x3B_channel_pieces": ((2, 8, 16, 6), mk.channel_grouped_mask((3, 3), 6, 6, "B"), {}),
-}
-
-
-@pytest.mark.parametrize("name", tiered(sorted(_SHIFT_CASES), lambda n: n in ("3x3B_SAME", "5x5B_tap_blocks")))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_shifted_columns_give_the_same_bits(name, dtype):
-    """``Config(shift_columns=True)``: where the kernels pad in VMEM, each column offset's
-    columns are relaid once a step and every tap at it reads them; forward, input and
-    weight gradients (tap blocks of the weight gradient included, each relaying its own
-    taps' offsets; channel-partial pieces) are the default's bit for bit, NaN where NaN."""
-    shape, mask, kw = _SHIFT_CASES[name]
-    kw = dict(kw)
-    blocks = kw.pop("config", {})
-    kernel_shape = mask.shape if mask.ndim == 4 else (*mask.shape, shape[-1], 5)  # a full mask: its own shape
-    k = random(1, kernel_shape, dtype)
-    problem = kernel_problem(make_spec(jnp.zeros(shape, dtype), k, mask, **kw).channels_last())
-    itemsize = np.dtype(dtype).itemsize
-    assert all(pallas_mosaic_tpu.config.geometry(problem, kernel, itemsize, Config(shift_columns=True, **blocks)).shifted
-               for kernel in KERNELS)
-    _assert_configs_agree(shape, mask, k, kw, Config(shift_columns=True, **blocks), Config(**blocks))
-
-
-def test_shifted_columns_lower_for_tpu_to_the_three_kernels():
-    """Lowered for a TPU from this host with ``shift_columns``: forward and both gradients
-    hold the three Mosaic kernels, their modules not the default's."""
-    mask, x, k = mk.pixelcnn_mask((5, 5), "A"), jnp.zeros((2, 16, 16, 8), jnp.bfloat16), jnp.zeros((5, 5, 8, 8), jnp.bfloat16)
-
-    def lowered(config):
-        loss = lambda x, k: mk.masked_conv(x, k, mask, implementation=IMPL, config=config).astype(jnp.float32).sum()  # noqa: E731
-        return _lower_for_tpu(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
-
-    text = lowered(Config(shift_columns=True))
-    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 3
-    assert text != lowered(Config())
-
-
 def test_padding_in_the_kernel_leaves_no_padded_copy_when_lowered_for_tpu():
     """Lowered for a TPU from this host, forward and both gradients (``pad_in_kernel``, the
     default) hold the three Mosaic kernels and no ``pad`` of the image; with

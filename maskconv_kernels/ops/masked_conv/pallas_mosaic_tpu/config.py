@@ -63,27 +63,19 @@ class Config:
         elsewhere it changes nothing. Results are the same bit for bit. On by default:
         the copy is one image's read and write per kernel, which each kernel timed alone
         on a TPU v5e paid for (docs/design/tpu.md).
-      shift_columns: where the kernels pad in VMEM, each distinct column offset of the
-        taps has the window's columns relaid once a grid step into a VMEM buffer of its
-        own, from which every tap at that offset reads whole sublane tiles, instead of a
-        shifted load a tap (7x7 type A: 7 relayouts instead of 24 shifted loads). The
-        buffers take one window's VMEM per offset. Results are the same bit for bit. Off
-        until timed on a TPU.
     """
 
     block_pixels: int = 2048
     block_channels: int = 256
     block_taps: int = 64
     pad_in_kernel: bool = True
-    shift_columns: bool = False
 
     def __post_init__(self):
         for field in ("block_pixels", "block_channels", "block_taps"):
             if not _is_int(getattr(self, field)):
                 raise TypeError(f"Config.{field} must be an int, got {getattr(self, field)!r}")
-        for field in ("pad_in_kernel", "shift_columns"):
-            if not isinstance(getattr(self, field), bool):
-                raise TypeError(f"Config.{field} must be a bool, got {getattr(self, field)!r}")
+        if not isinstance(self.pad_in_kernel, bool):
+            raise TypeError(f"Config.pad_in_kernel must be a bool, got {self.pad_in_kernel!r}")
         p = self.block_pixels
         if not _MIN_PIXELS <= p <= _MAX_PIXELS or p & (p - 1):
             raise ValueError(f"Config.block_pixels must be a power of two from {_MIN_PIXELS} to {_MAX_PIXELS}, got {p}")
@@ -146,7 +138,7 @@ def geometry(problem: KernelProblem, kernel: str, itemsize: int, config: Config)
     else:
         taps, c_read, c_result = forward_taps(problem), problem.c_in, problem.c_out
     return make_geometry(taps, c_read, c_result, itemsize, config.block_pixels, config.block_channels,
-                         pad_inside=config.pad_in_kernel, shift_columns=config.shift_columns)
+                         pad_inside=config.pad_in_kernel)
 
 
 def vmem_bytes(problem: KernelProblem, kernel: str, itemsize: int, config: Config) -> int:

@@ -161,10 +161,6 @@ class Geometry:
         ``pad_inside``): it reads the unpadded ``[N, H, W, C]``, a whole image a step, and
         places it in its VMEM window, zero around; ``None``: the operand comes padded
         (``image``), a copy in HBM before the kernel.
-      shifted: where the kernel pads (``inside``), each distinct column offset of the
-        taps has its window columns relaid once a step into a buffer of its own
-        (:attr:`column_offsets`), from which every tap at that offset reads whole sublane
-        tiles; otherwise each tap's slice is shifted as it is loaded.
     """
 
     taps: Taps
@@ -178,12 +174,6 @@ class Geometry:
     block_n: int
     itemsize: int
     inside: tuple[int, int] | None = None
-    shifted: bool = False
-
-    @property
-    def column_offsets(self) -> tuple[int, ...]:
-        """The taps' distinct column offsets (each a buffer where :attr:`shifted`)."""
-        return tuple(sorted({dc for _, dc in self.taps.offsets}))
 
     @property
     def col_shift(self) -> int:
@@ -263,8 +253,6 @@ class Geometry:
             image += 2 * padded_bytes((*self.halo_block, self.c_read), s)
         if self.halo_blocks or self.inside is not None:
             image += padded_bytes((*self.window, self.c_read), s)
-        if self.shifted:
-            image += len(self.column_offsets) * padded_bytes((self.window[0], self.cols, self.c_read), s)
         operand = padded_bytes((self.pixels, self.c_read), f32)  # one tap's slice, widened by selects at worst
         result = padded_bytes((self.pixels, self.block_n), f32)
         if kernel == "weight_grad":
@@ -280,12 +268,11 @@ class Geometry:
 
 def make_geometry(
     taps: Taps, c_read: int, c_result: int, itemsize: int, block_pixels: int, block_channels: int,
-    pad_inside: bool = False, shift_columns: bool = False,
+    pad_inside: bool = False,
 ) -> Geometry:
     """The blocks of ``taps`` for about ``block_pixels`` result pixels and at most
     ``block_channels`` result channels (a multiple of 128) per grid step; with
-    ``pad_inside``, the kernel pads the operand where :func:`_fits_inside` allows, and
-    with ``shift_columns`` too, relays each column offset once (:attr:`Geometry.shifted`)."""
+    ``pad_inside``, the kernel pads the operand where :func:`_fits_inside` allows."""
     sub = sublanes(itemsize)
     (oh, ow), (reach_r, reach_c) = taps.out_hw, taps.reach
     if oh > 1:
@@ -307,9 +294,7 @@ def make_geometry(
         axis = 2
     block_n = c_result if c_result <= block_channels else block_channels
     g = Geometry(taps, axis, block, halo, out_pad, image, c_read, c_result, block_n, itemsize)
-    if not (pad_inside and _fits_inside(g)):
-        return g
-    return dataclasses.replace(g, inside=tuple(taps.in_hw), shifted=shift_columns)
+    return dataclasses.replace(g, inside=tuple(taps.in_hw)) if pad_inside and _fits_inside(g) else g
 
 
 def _fits_inside(g: Geometry) -> bool:

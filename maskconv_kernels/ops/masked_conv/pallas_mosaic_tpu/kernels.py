@@ -3,8 +3,7 @@
 Both slide the active taps' windows over a zero-padded image (:mod:`.geometry`): a grid
 step reads one block of the image and its halo block (two BlockSpecs of the same array,
 pipelined by Pallas), copies them into one VMEM window, and slices every active tap's
-operand from it at static offsets (with ``Geometry.shifted``, from one copy of the
-window's columns per column offset, made once a step). Each tap is one MXU matmul accumulated in a float32
+operand from it at static offsets. Each tap is one MXU matmul accumulated in a float32
 VMEM scratch; the result is rounded once, when it is written. Masked taps have no code:
 an output is a sum over active taps only, so a value reachable only through masked taps
 is never an operand (exactness is structural, not a multiplication by zero).
@@ -114,26 +113,14 @@ def _padded_window(image_ref, window_ref, g: Geometry):
     return window_ref
 
 
-def _operand(window, g: Geometry, offset: tuple[int, int], shifted=None):
+def _operand(window, g: Geometry, offset: tuple[int, int]):
     """Tap operand ``[rows, cols, C_read]``: the window at the tap's static offset.
 
     Row offsets index the untiled leading dimension; column offsets are static sublane
-    offsets (Mosaic shifts the loaded tiles), or, with ``shifted`` (``g.shifted``), the
-    index of the buffer that holds the window's columns at that offset.
+    offsets (Mosaic shifts the loaded tiles).
     """
-    dr = offset[0]
-    if shifted is not None:
-        return shifted[g.column_offsets.index(offset[1]), dr:dr + g.rows]
-    dc = offset[1] + g.col_shift
+    dr, dc = offset[0], offset[1] + g.col_shift
     return window[dr:dr + g.rows, dc:dc + g.cols, :]
-
-
-def _shift_columns(window, shifted, g: Geometry, offsets):
-    """``shifted[i]`` = the window's ``cols`` columns at column offset ``column_offsets[i]``,
-    for the taps at ``offsets``: one shifted copy per distinct column offset."""
-    for dc in sorted({dc for _, dc in offsets}):
-        start = dc + g.col_shift
-        shifted[g.column_offsets.index(dc)] = window[:, start:start + g.cols, :]
 
 
 def _lanes(shape, offset=0):
@@ -142,24 +129,21 @@ def _lanes(shape, offset=0):
 
 
 def _unpack(refs, g: Geometry):
-    """``(image, halo or None, other input, output, accumulator, window or None, shifted
-    columns or None)``."""
+    """``(image, halo or None, other input, output, accumulator, window or None)``."""
     if g.halo_blocks:
         image_ref, halo_ref, other_ref, out_ref, acc_ref, window_ref = refs
-        return image_ref, halo_ref, other_ref, out_ref, acc_ref, window_ref, None
+        return image_ref, halo_ref, other_ref, out_ref, acc_ref, window_ref
     if g.inside is not None:
-        image_ref, other_ref, out_ref, acc_ref, window_ref, *shifted = refs
-        return image_ref, None, other_ref, out_ref, acc_ref, window_ref, (shifted[0] if shifted else None)
+        image_ref, other_ref, out_ref, acc_ref, window_ref = refs
+        return image_ref, None, other_ref, out_ref, acc_ref, window_ref
     image_ref, other_ref, out_ref, acc_ref = refs
-    return image_ref, None, other_ref, out_ref, acc_ref, None, None
+    return image_ref, None, other_ref, out_ref, acc_ref, None
 
 
 def _scratch(g: Geometry, acc_shape, dtype) -> list:
     scratch = [pltpu.VMEM(acc_shape, jnp.float32)]
     if g.halo_blocks or g.inside is not None:
         scratch.append(pltpu.VMEM((*g.window, g.c_read), dtype))
-    if g.shifted:
-        scratch.append(pltpu.VMEM((len(g.column_offsets), g.window[0], g.cols, g.c_read), dtype))
     return scratch
 
 
@@ -171,18 +155,15 @@ def _tap_gemm_kernel(*refs, g: Geometry, precision):
 
     Refs: image ``[*main_block, C_read]``, halo ``[*halo_block, C_read]`` (when the taps
     reach past the block), weights ``[pieces, C_read, block_n]``; the result block
-    ``[rows, cols, block_n]``; scratch: the float32 accumulator ``[rows * cols, block_n]``,
-    the window ``[*window, C_read]`` and, where ``g.shifted``, its columns at each column
-    offset ``[offsets, window rows, cols, C_read]``.
+    ``[rows, cols, block_n]``; scratch: the float32 accumulator ``[rows * cols, block_n]``
+    and the window ``[*window, C_read]``.
     """
-    image_ref, halo_ref, w_ref, out_ref, acc_ref, window_ref, shifted = _unpack(refs, g)
+    image_ref, halo_ref, w_ref, out_ref, acc_ref, window_ref = _unpack(refs, g)
     window = _window(image_ref, halo_ref, window_ref, g)
-    if shifted is not None:
-        _shift_columns(window, shifted, g, g.taps.offsets)
     first_channel = pl.program_id(1) * g.block_n
     first = True
     for t, offset in enumerate(g.taps.offsets):
-        a = _operand(window, g, offset, shifted).reshape(g.pixels, g.c_read)
+        a = _operand(window, g, offset).reshape(g.pixels, g.c_read)
         for index, piece in enumerate(g.taps.pieces):
             if piece.tap != t:
                 continue
@@ -267,7 +248,7 @@ def _weight_grad_kernel(*refs, g: Geometry, tap_blocks: tuple[tuple[int, ...], .
     block_n]``; the result ``[block_taps, C_in, block_n]``; scratch: the accumulator and
     the window.
     """
-    image_ref, halo_ref, dy_ref, out_ref, acc_ref, window_ref, shifted = _unpack(refs, g)
+    image_ref, halo_ref, dy_ref, out_ref, acc_ref, window_ref = _unpack(refs, g)
     tap_block, n, block = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when((n == 0) & (block == 0))
@@ -279,10 +260,8 @@ def _weight_grad_kernel(*refs, g: Geometry, tap_blocks: tuple[tuple[int, ...], .
     valid = _valid_pixels(g, block)
 
     def accumulate(taps):
-        if shifted is not None:
-            _shift_columns(window, shifted, g, [g.taps.offsets[t] for t in taps])
         for local, t in enumerate(taps):
-            a = _operand(window, g, g.taps.offsets[t], shifted)
+            a = _operand(window, g, g.taps.offsets[t])
             if valid is not None:
                 a = jnp.where(valid, a, jnp.zeros_like(a))
             a = a.reshape(g.pixels, g.c_read)
