@@ -212,10 +212,11 @@ def test_a_mixed_serving_step_lowers_for_tpu_to_one_kernel_on_the_donated_pool(p
 
 
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_the_mixed_step_kernel_taking_states_from_its_frame_lowers_for_tpu(pool_dtype):
-    """With ``Config(step_states_from_frame=True)`` at the default tiles (its aligned window
-    load and run-time sublane roll), the mixed step's kernel lowers for a TPU to one named
-    Mosaic kernel, and its module differs from the default's."""
+def test_the_mixed_step_kernel_storing_every_state_row_lowers_for_tpu(pool_dtype):
+    """With ``Config(step_states_from_frame=False)`` at the default tiles (every token's
+    would-be state stored, no aligned window load nor run-time sublane roll), the mixed
+    step's kernel lowers for a TPU to one named Mosaic kernel, and its module differs from
+    the default's (which takes ending requests' states from the frame)."""
     from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
     from maskconv_kernels.ops.causal_conv1d.checks import problem_of
 
@@ -231,7 +232,7 @@ def test_the_mixed_step_kernel_taking_states_from_its_frame_lowers_for_tpu(pool_
         args = (x, pool, ints(requests + 1), ints(requests), ints(requests), ints(tokens), ints(tokens))
         return step.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
-    text = lowered(Config(step_states_from_frame=True))
+    text = lowered(Config(step_states_from_frame=False))
     assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
     assert f'kernel_name = "{MIXED_KERNEL}"' in text
     assert text != lowered(Config())
