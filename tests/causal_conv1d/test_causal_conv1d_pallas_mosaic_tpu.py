@@ -211,6 +211,30 @@ def test_a_mixed_serving_step_lowers_for_tpu_to_one_kernel_on_the_donated_pool(p
         assert "tpu_custom_call" not in step.trace(x, pool, w, b, qsl, idx).lower(lowering_platforms=("cpu",)).as_text()
 
 
+def test_a_prefix_caching_step_lowers_for_tpu_to_the_mixed_kernel_and_its_refusal():
+    """``causal_conv1d_step`` with prefix caching and ``write_indices``, by default, lowered
+    for a TPU: one Mosaic kernel, the mixed step's, aliasing the donated pool, in a
+    run-time branch beside the composition (taken where slot writes would race with
+    reads), whose scatter of states the lowering holds; without them there is none (the
+    mixed serving step's test above)."""
+    from maskconv_kernels import causal_conv1d_step
+
+    tokens, requests, dim, blocks = 200, 8, 2048, 16
+    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, 3, dim), jnp.float32)
+    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    step = jax.jit(lambda x, pool, w, b, qsl, idx, out, table, computed: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, write_indices=out, block_size=16, block_indices=table,
+        num_computed_tokens=computed, activation="silu"), donate_argnums=1)
+    text = step.trace(x, pool, w, b, ints(requests + 1), ints(requests), ints(requests), ints(requests, blocks),
+                      ints(requests)).lower(lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
+    assert f'kernel_name = "{MIXED_KERNEL}"' in text
+    assert "tf.aliasing_output = 1" in text
+    scattered = [text[op.end():].split("->", 1)[1].split(None, 1)[0] for op in re.finditer(r"stablehlo\.scatter", text)]
+    assert any(not re.fullmatch(r"tensor<[\dx]+xi32>", r) for r in scattered), "the composition's branch"
+
+
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_the_mixed_step_kernel_storing_every_state_row_lowers_for_tpu(pool_dtype):
     """With ``Config(step_states_from_frame=False)`` at the default tiles (every token's
@@ -238,16 +262,40 @@ def test_the_mixed_step_kernel_storing_every_state_row_lowers_for_tpu(pool_dtype
     assert text != lowered(Config())
 
 
-def _mixed_oracle(x, pool, w, bias, qsl, reads, writes, problem):
+def _ragged_step(rng, lengths, codes, tokens, dim, slots, state_len, x_dtype, pool_dtype):
+    """``(qsl, x, pool, owner, within)`` of a step of requests of ``lengths`` tokens (request
+    8 a pad row): random tokens, NaN for the pad row's and the padding; random states in the
+    slots ``codes`` reads, NaN in every other; each token's request (``R`` for padding) and
+    its index in it."""
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    x = rng.standard_normal((tokens, dim)).astype(np.float32)
+    x[qsl[-1]:] = np.nan
+    x[qsl[8]:qsl[9]] = np.nan  # the pad row's tokens
+    pool = np.full((slots, state_len, dim), np.nan, np.float32)
+    for c in codes:
+        if c >= 0:
+            pool[c] = rng.standard_normal((state_len, dim))
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    owner = np.concatenate([owner, np.full(tokens - len(owner), len(lengths))]).astype(np.int32)
+    within = (np.arange(tokens) - np.append(qsl, qsl[-1])[owner]).astype(np.int32)
+    return qsl, jnp.asarray(x, x_dtype), jnp.asarray(pool, pool_dtype), owner, within
+
+
+def _mixed_oracle(x, pool, w, bias, qsl, reads, writes, problem, blocks=None):
     """float64: each request's outputs over its slot's last inputs (zeros where it reads
     none, NaN outside the pool) then its tokens, and the pool with its last ``S`` inputs
-    written; pad rows and padding tokens: zeros out, nothing written."""
+    written, then each block state (``blocks = (K, targets, computed)``); pad rows and
+    padding tokens: zeros out, nothing written; a request without tokens: zeros written
+    where it starts fresh, else nothing."""
     from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import NAN, PAD, ZEROS
 
     x, pool, w = (np.asarray(a, np.float64) for a in (x, pool, w))
     y, new, sl = np.zeros_like(x), pool.copy(), pool.shape[1]
+    cached = []
     for r, code in enumerate(reads):
         tokens = x[qsl[r]:qsl[r + 1]]
+        if not len(tokens) and code == ZEROS and writes[r] >= 0:
+            new[writes[r]] = 0.0
         if code == PAD or not len(tokens):
             continue
         slot = {ZEROS: np.zeros_like(pool[0]), NAN: np.full_like(pool[0], np.nan)}.get(code, pool[max(code, 0)])
@@ -257,6 +305,14 @@ def _mixed_oracle(x, pool, w, bias, qsl, reads, writes, problem):
         y[qsl[r]:qsl[r + 1]] = pre / (1 + np.exp(-pre))
         if writes[r] >= 0:
             new[writes[r]] = seq[-sl:]
+        if blocks is not None:
+            size, targets, computed = blocks
+            for m, target in enumerate(targets[r]):
+                consumed = (m + 1) * size - computed[r]
+                if 0 < consumed <= len(tokens) and target >= 0:
+                    cached.append((target, seq[consumed:consumed + sl]))
+    for target, state in cached:
+        new[target] = state
     return y, new
 
 
@@ -284,20 +340,9 @@ def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilatio
     codes = [4, 9, 1, ZEROS, 7, 12, 3, 8, PAD, 0, 15, NAN, 5, ZEROS, 6, 11]
     writes = [c if c >= 0 else (13 if c == ZEROS else -1) for c in codes]
     writes[13] = 14
-    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    tokens, dim, slots = 150, 256, 16
-    x = rng.standard_normal((tokens, dim)).astype(np.float32)
-    x[qsl[-1]:] = np.nan
-    x[qsl[8]:qsl[9]] = np.nan  # the pad row's token
-    pool = np.full((slots, state_len, dim), np.nan, np.float32)
-    for c in codes:
-        if c >= 0:
-            pool[c] = rng.standard_normal((state_len, dim))
+    qsl, x, pool, owner, within = _ragged_step(rng, lengths, codes, 150, 256, 16, state_len, x_dtype, pool_dtype)
+    dim = x.shape[1]
     w, bias = rng.standard_normal((width, dim)).astype(np.float32) * 0.5, rng.standard_normal(dim).astype(np.float32)
-    x, pool = jnp.asarray(x, x_dtype), jnp.asarray(pool, pool_dtype)
-    owner = np.repeat(np.arange(len(lengths)), lengths)
-    owner = np.concatenate([owner, np.full(tokens - len(owner), len(lengths))]).astype(np.int32)
-    within = (np.arange(tokens) - np.append(qsl, qsl[-1])[owner]).astype(np.int32)
     problem = problem_of(x[None], jnp.asarray(w), jnp.asarray(bias), None, pool, activation="silu", dilation=dilation)
     y, new = tpu.step(x, pool, jnp.asarray(w), jnp.asarray(bias), jnp.asarray(qsl), jnp.asarray(codes, jnp.int32),
                       jnp.asarray(writes, jnp.int32), jnp.asarray(owner), jnp.asarray(within), problem=problem,
@@ -309,6 +354,50 @@ def test_the_mixed_step_kernel_over_many_tiles_and_channel_blocks(width, dilatio
     scale = float(np.nanmax(np.abs(np.asarray(x, np.float64))) * np.abs(w).max()) + 1  # the shared suite's bound
     assert_close(y[~np.isnan(ry)], ry[~np.isnan(ry)], x_dtype, width, scale)
     assert not y[qsl[-1]:].any() and not y[qsl[8]:qsl[9]].any()
+    np.testing.assert_array_equal(np.asarray(new, np.float64), np.asarray(jnp.asarray(rnew, pool_dtype), np.float64))
+
+
+@pytest.mark.parametrize("pool_dtype", [F32, BF16], ids=["f32pool", "bf16pool"])
+@pytest.mark.parametrize("from_frame", [False, True], ids=["states_stored", "states_from_frame"])
+def test_the_mixed_step_kernel_writes_block_states_over_many_tiles(pool_dtype, from_frame):
+    """Prefix caching in the mixed step's kernel (``blocks``), at tiles of 16 tokens and
+    blocks of 128 channels: requests of 1-33 tokens with 0-13 before them cross block
+    boundaries (K = 4) at every offset in a tile, within their first ``S`` tokens (a state
+    of slot and tokens) and past them, at their last token (a block state and their own
+    at one row), in tiles that also end short requests and in tiles that end only long
+    ones; blocks not cached (``-1``); requests without tokens, one starting fresh (zeros
+    written) and one reading its slot (nothing); NaN in every slot not read and in the
+    padding. Outputs within rounding of a float64 oracle, every state bit for bit."""
+    from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
+    from maskconv_kernels.ops.causal_conv1d.checks import problem_of
+    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import PAD, ZEROS
+
+    rng = np.random.default_rng(7)
+    lengths = [9, 1, 0, 33, 1, 17, 0, 6, 22, 2]
+    computed = [2, 7, 0, 0, 10, 3, 5, 1, 13, 6]
+    codes = [0, 1, ZEROS, ZEROS, 4, 5, 6, 7, PAD, 9]
+    writes = [c if c >= 0 else (-1 if c == PAD else r + 10) for r, c in enumerate(codes)]
+    size, cached, state_len, dim, tokens = 4, 10, 3, 256, 100
+    slots = 64
+    targets = np.full((len(lengths), cached), -1, np.int32)
+    free = iter(range(24, slots))
+    for r, n in enumerate(lengths):
+        for m in range(cached):
+            if 0 < (m + 1) * size - computed[r] <= n and (r + m) % 5:  # some boundaries not cached
+                targets[r, m] = next(free)
+    qsl, x, pool, owner, within = _ragged_step(rng, lengths, codes, tokens, dim, slots, state_len, F32, pool_dtype)
+    w, bias = rng.standard_normal((4, dim)).astype(np.float32) * 0.5, rng.standard_normal(dim).astype(np.float32)
+    problem = problem_of(x[None], jnp.asarray(w), jnp.asarray(bias), None, pool, activation="silu", dilation=1)
+    blocks = (size, jnp.asarray(targets), jnp.asarray(computed, jnp.int32))
+    y, new = tpu.step(x, pool, jnp.asarray(w), jnp.asarray(bias), jnp.asarray(qsl), jnp.asarray(codes, jnp.int32),
+                      jnp.asarray(writes, jnp.int32), jnp.asarray(owner), jnp.asarray(within), problem=problem,
+                      config=Config(step_tokens=16, step_channels=128, step_states_from_frame=from_frame),
+                      interpret=INTERPRET, blocks=blocks)
+    ry, rnew = _mixed_oracle(x, pool, w, bias, qsl, codes, writes, problem, blocks=(size, targets, computed))
+    y = np.asarray(y, np.float64)
+    scale = float(np.nanmax(np.abs(np.asarray(x, np.float64))) * np.abs(w).max()) + 1
+    assert_close(y[:qsl[-1]], ry[:qsl[-1]], F32, 4, scale)
+    assert (targets >= 0).sum() >= 12 and not np.asarray(new, np.float64)[writes[2]].any()
     np.testing.assert_array_equal(np.asarray(new, np.float64), np.asarray(jnp.asarray(rnew, pool_dtype), np.float64))
 
 

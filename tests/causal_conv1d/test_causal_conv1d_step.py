@@ -150,6 +150,99 @@ def test_a_step_of_r_tokens_that_is_not_one_each_takes_the_mixed_kernel():
     np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
 
 
+def _prefix_step(**changes):
+    """A step with prefix caching (K = 4, state_len 3, 12 slots of random states): request 0
+    (9 tokens, 2 before) crosses 4 tokens after 2 of them (a block state that mixes slot and
+    tokens) and 8 after 6; request 1 (one decode token, 7 before) crosses 8 at its last
+    token (a block state and its own at the same row); request 2 has no token and starts
+    fresh (its slot cleared); request 3 (6 tokens, fresh) crosses 4, its second block not
+    cached; then a pad row with a NaN token, and NaN padding. ``changes``: the keywords to
+    replace."""
+    x = np.full((20, D), np.nan, np.float32)
+    x[:17] = np.asarray(random(40, (17, D)))
+    kw = dict(query_start_loc=jnp.array([0, 9, 10, 10, 16, 17]), state_indices=jnp.array([0, 1, 2, 3, PAD_SLOT_ID]),
+              has_initial_state=jnp.array([True, True, False, False, True]), block_size=4,
+              block_indices=jnp.array([[5, 6, PAD_SLOT_ID], [PAD_SLOT_ID, 7, PAD_SLOT_ID], [9, 10, 11],
+                                       [8, PAD_SLOT_ID, PAD_SLOT_ID], [4, 4, 4]]),
+              num_computed_tokens=jnp.array([2, 7, 0, 0, 0]), activation="silu")
+    kw.update(changes)
+    return jnp.asarray(x), random(41, (12, 3, D)), random(42, (4, D), scale=0.5), random(43, (D,)), kw
+
+
+def test_prefix_caching_and_write_indices_on_the_mixed_kernel_equal_the_composition():
+    """The TPU kernels named (interpreted off a TPU): a step with prefix caching takes the
+    mixed step's kernel (nothing in it races), its outputs within rounding of XLA's
+    composition and every block state, own state and cleared slot its bits; with
+    ``write_indices`` too (one request's state to a new slot)."""
+    from maskconv_kernels.ops.causal_conv1d.step import _kernels_refuse
+
+    for changes in ({}, dict(write_indices=jnp.array([0, 11, 2, 3, PAD_SLOT_ID]))):
+        x, pool, w, b, kw = _prefix_step(**changes)
+        blocks = (kw["block_size"], kw["block_indices"], kw["num_computed_tokens"])
+        write = kw.get("write_indices", kw["state_indices"])
+        assert not _kernels_refuse(kw["query_start_loc"], kw["state_indices"], write, kw["has_initial_state"], blocks,
+                                   pool.shape[0])
+        y, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
+        ry, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
+        assert_close(y, ry, F32, 4, 4.0)
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+        assert not np.asarray(new)[2].any(), "a fresh request without tokens clears its slot"
+
+
+@pytest.mark.parametrize("changes", [
+    dict(block_indices=jnp.array([[5, 6, -1], [-1, 7, -1], [9, 10, 11], [1, -1, -1], [4, 4, 4]])),
+    dict(block_indices=jnp.array([[5, 6, -1], [-1, 6, -1], [9, 10, 11], [8, -1, -1], [4, 4, 4]])),
+    dict(write_indices=jnp.array([0, 9, 2, 1, PAD_SLOT_ID])),
+    dict(write_indices=jnp.array([0, 1, 9, 3, PAD_SLOT_ID]), has_initial_state=jnp.array([True, True, True, False, True])),
+    dict(write_indices=jnp.array([0, 1, 2, 3, 9])),
+], ids=["block_state_to_a_slot_another_reads", "one_slot_two_block_states", "own_state_to_a_slot_another_reads",
+        "a_request_without_tokens_copies_its_slot", "a_pad_row_writes"])
+def test_steps_whose_slot_dmas_would_race_are_refused_to_the_kernels(changes):
+    """Where the kernels' DMAs, made in token order, need not give the composition's pool
+    (a slot written twice, a slot written by one request and read by another, a slot
+    copied by a request without tokens, a pad row with a slot to write), the step is
+    refused to the kernels (the composition runs when it runs), and its pool is the
+    composition's."""
+    from maskconv_kernels.ops.causal_conv1d.step import _kernels_refuse
+
+    x, pool, w, b, kw = _prefix_step(**changes)
+    blocks = (kw["block_size"], kw["block_indices"], kw["num_computed_tokens"])
+    write = kw.get("write_indices", kw["state_indices"])
+    assert _kernels_refuse(kw["query_start_loc"], kw["state_indices"], write, kw["has_initial_state"], blocks,
+                           pool.shape[0])
+    _, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
+    _, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+
+
+def test_a_state_written_tiles_before_another_request_reads_its_slot_is_not_read():
+    """Over three 32-token tiles: request 0 (tile 0) writes its state to slot 1, which
+    request 2 (from tile 1 on) reads. The composition reads every slot first, so request
+    2 reads slot 1's old inputs; the kernel, reading and writing in token order, would
+    read request 0's on a TPU (Pallas' interpreter keeps the aliased pool's input apart,
+    so there it reads the old ones anyway), so the step runs as the composition."""
+    x, pool, w, b = random(0, (80, D)), random(1, (4, 3, D)), random(2, (4, D), scale=0.5), random(3, (D,))
+    kw = dict(query_start_loc=jnp.array([0, 30, 40, 70]), state_indices=jnp.array([0, 3, 1]),
+              write_indices=jnp.array([1, 3, 2]), activation="silu")
+    y, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
+    ry, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
+    assert_close(y, ry, F32, 4, 4.0)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+
+
+def test_a_fresh_request_without_tokens_clears_its_slot_on_the_mixed_kernel():
+    """No prefix caching nor ``write_indices``: a request without tokens that starts fresh
+    writes zeros to its slot, as the composition does (the kernel once left the slot as it
+    was), and one that reads its slot leaves it."""
+    x, pool, w, b = random(0, (16, D)), random(1, (4, 3, D)), random(2, (4, D), scale=0.5), random(3, (D,))
+    kw = dict(query_start_loc=jnp.array([0, 5, 5, 5, 16]), state_indices=jnp.array([0, 1, 2, 3]),
+              has_initial_state=jnp.array([True, False, True, False]), activation="silu")
+    y, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
+    ry, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+    assert not np.asarray(new)[1].any() and np.array_equal(np.asarray(new)[2], np.asarray(pool)[2])
+
+
 def test_nan_in_other_requests_pad_rows_and_slots_reaches_no_output_or_state():
     seqs = [np.asarray(random(20 + r, (n, D), F32)) for r, n in enumerate(LENGTHS)]
     w, b = random(3, (4, D), F32), random(4, (D,), F32)

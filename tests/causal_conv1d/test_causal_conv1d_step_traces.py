@@ -308,6 +308,18 @@ def test_plain_steps_on_the_tpu_mixed_kernel(trace):
     replay(trace, 12, seed=3, implementation="pallas_mosaic_tpu", interpret=jax.default_backend() != "tpu")
 
 
+@pytest.mark.parametrize("trace", tiered(CACHES, lambda t: t.width == 4 and t.x_dtype == F32),
+                         ids=lambda t: f"W{t.width}_d{t.dilation}_K{t.block}_{np.dtype(t.x_dtype).name}")
+def test_prefix_cache_steps_on_the_tpu_mixed_kernel(trace):
+    """Prefix caching through the mixed step's kernel, named (interpreted off a TPU): block
+    states written mid-chunk and at chunks' ends, cache hits that read a block's slot and
+    write their own (``write_indices``), pad rows, slots reused: each request's outputs and
+    states equal its full pass, and the cached blocks serve later requests."""
+    server = replay(trace, 12, seed=10 + trace.width, implementation="pallas_mosaic_tpu",
+                    interpret=jax.default_backend() != "tpu")
+    assert server.cached
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trace", [TREES[0], TREES[2], CACHES[0], CACHES[3]], ids=["trees_W4", "trees_W8",
                                                                                  "cache_W4", "cache_W2_d3"])

@@ -25,6 +25,7 @@ from ..._core.history import check_dtype
 from .api import causal_conv1d
 from .checks import check_activation, check_operands, problem_of
 from . import pallas_mosaic_tpu as tpu
+from .pallas_mosaic_tpu.config import ZEROS
 from .update import (
     PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, one_launch, read_slots, slot_codes,
     tpu_kernel_taken, write_slots,
@@ -78,9 +79,14 @@ def causal_conv1d_step(
     as :func:`~.update.causal_conv1d_update`'s decode kernel (the pool aliased in HBM, a DMA
     per slot; within rounding of the composition, not bit for bit); named with
     ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``). On a TPU
-    (or named), any other step without prefix caching, drafts, ``positions`` or
-    ``write_indices`` runs as the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`: one
-    launch, the pool aliased, within rounding of the composition).
+    (or named), any other step without drafts or ``positions`` runs as the mixed step's
+    kernel (:mod:`.pallas_mosaic_tpu.mixed`: one launch, the pool aliased, block states
+    included; within rounding of the composition). With prefix caching or
+    ``write_indices``, a step whose slot writes could race with its reads (a slot written
+    twice, or written by one request and read by another), a pad row with a slot to write
+    or a request without tokens that copies a slot runs as the composition, decided when
+    it runs: the kernels read and write slots in token order, the composition reads them
+    all first.
 
     Args:
       x: ``(T, D)``: the step's tokens, requests back to back, then padding up to ``T``
@@ -189,38 +195,95 @@ def causal_conv1d_step(
             state = _from_last_start(state, starts, qsl, owner, within)
         new_pool = write_slots(pool, write, state)
         if blocks is not None:
-            new_pool = _write_blocks(new_pool, rows, x, qsl, counts, read, *blocks)
+            new_pool = _write_blocks(new_pool, rows, x, qsl, read, *blocks)
         return y, new_pool
 
-    # Without drafts, prefix caching or positions, on a TPU (or named): the mixed step's
-    # kernel where each request writes the slot it reads, the decode kernel where each has
-    # one token (checked at run time); elsewhere, and otherwise, the composition.
-    step = composed
-    if tree is None and path is None and blocks is None and starts is None:
+    # Without drafts or positions, on a TPU (or named): the decode kernel where each request
+    # has one token (without prefix caching), the mixed step's kernel otherwise; checked at
+    # run time, with the composition where the kernels' DMAs would not give its pool.
+    mixed = decode = None
+    if tree is None and path is None and starts is None:
         problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
-        if write_indices is None and state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
-            step = _mixed_step(qsl, read, fresh, owner, within, composed, problem, interpret)
-        if x.shape[0] == requests:
+        if state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
+            mixed = _mixed_step(qsl, read, write, fresh, owner, within, blocks, composed, problem, interpret)
+        if blocks is None and x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
-                step = _decode_or(step, qsl, read, write, fresh, problem, implementation, interpret)
-    if step is not composed and implementation is None:
+                decode = _decode(read, write, fresh, problem, implementation, interpret)
+    if mixed is None and decode is None:
+        return composed(x, pool, weight, bias)
+    refused = None
+    if write_indices is not None or blocks is not None:
+        refused = _kernels_refuse(qsl, read, write, fresh, blocks, slots)
+    step = _dispatch(refused, jnp.all(qsl[1:] - qsl[:-1] == 1), composed, mixed, decode)
+    if implementation is None:
         return lax.platform_dependent(x, pool, weight, bias, tpu=step, default=composed)
     return step(x, pool, weight, bias)
 
 
-def _mixed_step(qsl, read, started, owner, within, composed, problem, interpret):
+def _dispatch(refused, one_each, composed, mixed, decode):
+    """The step as ``mixed`` or ``decode`` (``None``: not taken; one at least), chosen when
+    it runs: the decode kernel where each request has one token (``one_each``), else the
+    mixed step's kernel (the composition without it), and the composition wherever
+    ``refused`` (``None``: nowhere)."""
+    branches, index = [mixed or composed], jnp.int32(0)
+    if decode is not None:
+        branches.append(decode)
+        index = jnp.where(one_each, len(branches) - 1, index)
+    if refused is not None:
+        branches.append(composed)
+        index = jnp.where(refused, len(branches) - 1, index)
+
+    def step(*args):
+        return branches[0](*args) if len(branches) == 1 else lax.switch(index, branches, *args)
+
+    return step
+
+
+def _kernels_refuse(qsl, read, write, started, blocks, slots: int):
+    """Whether the kernels' slot DMAs would not give the composition's pool for a step with
+    ``write_indices`` or prefix caching, so that it must run as the composition: a request
+    without tokens that copies its slot (or NaN, for an index outside the pool) to another
+    (it has no token row to send a state from), a pad row with a slot to write, a slot written twice, or one written by one
+    request and read by another (the kernels read and write in token order; the
+    composition reads every slot first)."""
+    fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
+    reads, writes = slot_codes(read, write, fresh, slots)
+    counts = qsl[1:] - qsl[:-1]
+    copies = (counts == 0) & (reads != ZEROS) & (writes >= 0) & (writes != reads)  # a slot or NaN to copy
+    refused = jnp.any(copies) | jnp.any((read == PAD_SLOT_ID) & (writes >= 0))
+    requests = read.shape[0]
+    targets = [jnp.where((counts > 0) | (reads == ZEROS), writes, -1)]  # zeros for a fresh one without tokens
+    owners = [jnp.arange(requests)]
+    if blocks is not None:
+        crossed = _crossings(qsl, read, *blocks)[1]
+        targets.append(crossed.reshape(-1))
+        owners.append(jnp.repeat(jnp.arange(requests), crossed.shape[1]))
+    target, owner = jnp.concatenate(targets), jnp.concatenate(owners)
+    index = jnp.where(target >= 0, target, slots)
+    written = jnp.zeros((slots + 1,), jnp.int32).at[index].add(1)
+    reader = jnp.full((slots + 1,), -1, jnp.int32).at[jnp.where(reads >= 0, reads, slots)].set(jnp.arange(requests))
+    other = (target >= 0) & (reader[index] >= 0) & (reader[index] != owner)
+    return refused | jnp.any(written[:slots] > 1) | jnp.any(other)
+
+
+def _mixed_step(qsl, read, write, started, owner, within, blocks, composed, problem, interpret):
     """The step as the mixed step's kernel (:func:`~.pallas_mosaic_tpu.step`), differentiated
     through ``composed`` (a function of ``(x, pool, weight, bias)`` as the kernel);
-    ``started``: ``has_initial_state`` or ``None``."""
+    ``started``: ``has_initial_state`` or ``None``; ``blocks``: prefix caching's ``(K,
+    block_indices, num_computed_tokens)`` or ``None``."""
     fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
     owner, within = owner.astype(jnp.int32), within.astype(jnp.int32)
 
     @jax.custom_vjp
     def launch(x, pool, weight, bias):
-        reads, writes = slot_codes(read, read, fresh, pool.shape[0])
+        reads, writes = slot_codes(read, write, fresh, pool.shape[0])
+        cached = None
+        if blocks is not None:
+            size, _, computed = blocks
+            cached = (size, _crossings(qsl, read, *blocks)[1], computed)
         return tuple(tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=problem,
-                              interpret=interpret))
+                              interpret=interpret, blocks=cached))
 
     def launch_fwd(*args):
         return launch(*args), args
@@ -232,19 +295,15 @@ def _mixed_step(qsl, read, started, owner, within, composed, problem, interpret)
     return launch
 
 
-def _decode_or(otherwise, qsl, read, write, fresh, problem, implementation, interpret):
-    """The step as the TPU's decode kernel (:func:`~.update.decode_launch`) where each
-    request has one token (``T == R``; checked when it runs, ``qsl`` being data), else as
-    ``otherwise`` (the composition, or the mixed step's kernel)."""
+def _decode(read, write, fresh, problem, implementation, interpret):
+    """The step as the TPU's decode kernel (:func:`~.update.decode_launch`), for steps of
+    one token a request (``T == R``)."""
     def kernel(x, pool, weight, bias):
         y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, problem=problem,
                                 implementation=implementation, interpret=interpret)
         return y[:, 0], pool
 
-    def either(*args):
-        return lax.cond(jnp.all(qsl[1:] - qsl[:-1] == 1), kernel, otherwise, *args)
-
-    return either
+    return kernel
 
 
 # --------------------------------------------------------------------------- the step
@@ -356,15 +415,23 @@ def _state_after(rows, x, qsl, consumed):
     return jnp.where((q < state_len)[..., None], from_rows, from_x)
 
 
-def _write_blocks(pool, rows, x, qsl, counts, read, size: int, slots, computed):
+def _crossings(qsl, read, size: int, slots, computed):
+    """``(consumed, targets)``, ``(R, M)`` each: of this step's tokens, how many each request
+    has consumed at the end of block ``m``, and the slot its state goes to there where the
+    step crosses that boundary (``-1`` elsewhere, for a pad row, and for a block not
+    cached)."""
+    counts = qsl[1:] - qsl[:-1]
+    boundary = (jnp.arange(slots.shape[1]) + 1) * size  # tokens consumed at the end of block m
+    consumed = boundary[None, :] - computed[:, None]
+    crossed = (consumed > 0) & (consumed <= counts[:, None]) & (read != PAD_SLOT_ID)[:, None] & (slots >= 0)
+    return consumed, jnp.where(crossed, slots, -1).astype(jnp.int32)
+
+
+def _write_blocks(pool, rows, x, qsl, read, size: int, slots, computed):
     """The pool with each request's state after every block boundary this step crosses,
     written to the slot named for that block."""
-    blocks = slots.shape[1]
-    boundary = (jnp.arange(blocks) + 1) * size  # tokens consumed at the end of block m
-    consumed = boundary[None, :] - computed[:, None]  # (R, M): of this step's tokens
-    crossed = (consumed > 0) & (consumed <= counts[:, None]) & (read != PAD_SLOT_ID)[:, None]
-    target = jnp.where(crossed, slots, PAD_SLOT_ID)
-    for m in range(blocks):  # M is static and small: one gather-scatter each
+    consumed, target = _crossings(qsl, read, size, slots, computed)
+    for m in range(slots.shape[1]):  # M is static and small: one gather-scatter each
         pool = write_slots(pool, target[:, m], _state_after(rows, x, qsl, jnp.clip(consumed[:, m], 0, None)))
     return pool
 

@@ -108,11 +108,13 @@ def update(x, pool, weight, bias, reads, writes, *, problem: Problem, config: Co
 
 
 def step(x, pool, weight, bias, qsl, reads, writes, owner, within, *, problem: Problem, config: Config | None = None,
-         interpret: bool = False):
+         interpret: bool = False, blocks=None):
     """``(y (T, D), pool)`` from the mixed step's kernel: ``x (T, D)``, requests' tokens back
     to back as ``qsl (R + 1,)`` says; ``reads``, ``writes`` ``(R,)`` int32 codes (:mod:`.decode`'s);
     ``owner``, ``within`` ``(T,)`` int32, each token's request (``R`` for padding) and index
-    in it; the pool returned is the one given, aliased."""
+    in it; ``blocks``: prefix caching's ``(K, targets (R, M) int32 slots or -1, computed (R,)
+    int32)`` or ``None`` (:func:`.mixed.state_events`); the pool returned is the one given,
+    aliased."""
     from . import mixed
 
     config = config if config is not None else Config()
@@ -123,7 +125,7 @@ def step(x, pool, weight, bias, qsl, reads, writes, owner, within, *, problem: P
     s = s.fitted(x.dtype.itemsize, pool.dtype.itemsize)
     b = bias.astype(jnp.float32)[None] if bias is not None else None
     return mixed.step(x, pool, weight.astype(jnp.float32), b, qsl, reads, writes, owner, within, s=s,
-                      interpret=bool(interpret))
+                      interpret=bool(interpret), blocks=blocks)
 
 
 def _rows(a, rows: int, fill=0):

@@ -22,10 +22,12 @@ Scalar work is per request, vector work per tile; nothing is per token:
 * **states out**: the same selections (one per distance back, shared by a tap and a
   state row) give, at every row, the state a request ending there would leave (its last
   ``S`` inputs of slot and tokens); stored as rows of a ``[tile, S, channels]`` buffer
-  (strided stores), each ending request's is written to its slot by one DMA. With
-  ``states_from_frame`` those stores are made only in tiles where a request of fewer than
-  ``S`` tokens ends (``busy`` bit 1); in the others each ending request's state, its last
-  ``S`` inputs, is read from the frame by one aligned 16-row load and a sublane roll.
+  (strided stores), each state the step writes is sent to its slot by one DMA: each
+  request's last one, and with prefix caching the one after each block boundary it
+  crosses (:func:`state_events`). With ``states_from_frame`` those stores are made only in
+  tiles where a state of fewer than ``S`` of its request's tokens is written (``busy`` bit
+  1); in the others each state, its last ``S`` inputs, is read from the frame by one
+  aligned 16-row load and a sublane roll.
 
 **Exactness.** A token's output is ``act(bias + sum_t w[t] * v_t)`` in float32 in tap
 order, rounded once, where ``v_t`` is its own request's input or its slot's: a row is
@@ -36,15 +38,17 @@ copies. Within rounding of XLA's composition (the tanh form of the sigmoid), not
 bit.
 
 Scalar-prefetched (SMEM): ``qsl [R + 1]``, ``reads [R]`` (the decode kernel's codes: a
-slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`), ``writes [R]`` (a slot or ``-1``), and
-per tile ``k`` the requests whose first (``first[k]`` to ``first[k + 1]``) and last
-(``last[k]`` to ``last[k + 1]``) tokens lie in it, and ``busy[k]``: whether a token of
-it reads its slot (for a tap or a state row); a tile that none does (the middle of a
-long prefill) makes no selection, as the forward kernel (bit 0; bit 1: a request of
-fewer than ``S`` tokens ends in it). Blocked like x: ``within [tiles *
-tile, 1]``, each token's index in its request, ``-1`` for padding and pad rows (zeros
-out). Taken for steps whose requests write the slots they read (each slot read by one
-request at most), ``state_len >= (W - 1) * dilation``.
+slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`); per tile ``k`` the requests whose first
+tokens lie in it (``first[k]`` to ``first[k + 1]``), ``busy[k]`` (bit 0: a token of it
+reads its slot, for a tap or a state row; a tile that none does, the middle of a long
+prefill, makes no selection, as the forward kernel; bit 1: a state of fewer than ``S``
+tokens is written in it), and its states to write (``events[k]`` to ``events[k + 1]``);
+the states' rows, slots and kinds ``[E]`` (:func:`state_events`). Blocked like x: ``within
+[tiles * tile, 1]``, each token's index in its request, ``-1`` for padding and pad rows
+(zeros out). ``state_len >= (W - 1) * dilation``. The DMAs run in grid order, so a slot
+must not be written twice in a step, nor written by one request and read by another
+(``causal_conv1d_step`` takes XLA's composition for such a step). A request without
+tokens writes zeros where it starts fresh (``has_initial_state`` false), else nothing.
 """
 from __future__ import annotations
 
@@ -61,7 +65,10 @@ from ..checks import Problem
 from .config import MIXED_KERNEL, NAN, PAD, SUBLANES, VMEM_LIMIT_BYTES, ZEROS, MiB
 from .kernels import pool_call, sigmoid
 
-__all__ = ["MixedStatic", "step"]
+__all__ = ["MixedStatic", "state_events", "step"]
+
+# The kinds of states a step writes (state_events): the state at a token's row, or zeros.
+_SENT, _ZEROS = 0, 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,19 +172,21 @@ def _state_from_frame(frame, put32, p, s: MixedStatic):
     put32[p] = pltpu.roll(window, (16 - (first - base)) & 15, 0)[:8]
 
 
-def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, within_ref, x_ref, w_ref, *refs,
-            s: MixedStatic, dim: int):
-    """One ``[tile, channels]`` block of the outputs, and the new states of the requests
-    whose last token lies in it.
+def _kernel(qsl_ref, reads_ref, first_ref, busy_ref, events_ref, rows_ref, slots_ref, kinds_ref, within_ref, x_ref,
+            w_ref, *refs, s: MixedStatic, dim: int):
+    """One ``[tile, channels]`` block of the outputs, and the states whose last token lies
+    in it.
 
-    Refs: the six scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
+    Refs: the eight scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
     channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
     ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch: the
     slots read ``[tile, P, channels]`` (row ``p``: the slot of the request whose first
     token is row ``p``) in float32 and, for a 16-bit pool, in its dtype; the states to
-    write likewise (row ``p``: the request whose last token is row ``p``); the float32
+    write likewise (row ``p``: the state whose last token is row ``p``); the float32
     frame ``[H + tile, channels]``; the slot inputs by row ``[Q, H + tile, channels]``; a
-    DMA semaphore for reads and one for writes.
+    DMA semaphore for reads and one for writes. Once the tile's outputs are made, the
+    slots read are dead until the next tile: row 0 of them is the zeros a request without
+    tokens that starts fresh writes.
     """
     if s.problem.has_bias:
         bias_ref, *refs = refs
@@ -282,15 +291,15 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
     def _():
         outputs_and_states(False)
 
-    def ending(r):
-        """Request ``r`` (whose last token is in this tile): its last token's row and
-        whether it writes (it has tokens and a slot)."""
-        return qsl_ref[r + 1] - 1 - base, (qsl_ref[r + 1] > qsl_ref[r]) & (writes_ref[r] >= 0), writes_ref[r]
+    def event(e):
+        """State ``e`` (whose last token is in this tile): its row, its slot (``-1``: none)
+        and its kind (:func:`state_events`)."""
+        return rows_ref[e] - base, slots_ref[e], kinds_ref[e]
 
-    def store(r, carry):
-        p, write, slot = ending(r)
+    def prepare(e, carry):  # every state of the tile made before any is sent (two may share a row)
+        p, slot, kind = event(e)
 
-        @pl.when(write)
+        @pl.when((slot >= 0) & (kind == _SENT))
         def _():
             if s.frame_states:
                 @pl.when(jnp.logical_not(every_state))
@@ -299,31 +308,42 @@ def _kernel(qsl_ref, reads_ref, writes_ref, first_ref, last_ref, busy_ref, withi
 
             if packed:
                 put[pl.ds(p, 1), :sl] = put32[pl.ds(p, 1), :sl].astype(put.dtype)
-            _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).start()
 
-        return carry
-
-    def stored(r, carry):
-        p, write, slot = ending(r)
-
-        @pl.when(write)
+        @pl.when((slot >= 0) & (kind == _ZEROS))
         def _():
-            _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True).wait()
+            got[pl.ds(0, 1), :sl] = jnp.zeros((1, sl, s.channels), got.dtype)
 
         return carry
 
-    lax.fori_loop(last_ref[k], last_ref[k + 1], store, 0)
-    lax.fori_loop(last_ref[k], last_ref[k + 1], stored, 0)
+    def copies(e):
+        """``(condition, DMA)`` pairs: state ``e`` from its row, or zeros, to its slot."""
+        p, slot, kind = event(e)
+        return [((slot >= 0) & (kind == _SENT), _slot_copy(pool_out, put, sem_out, slot, p, s, cols, to_pool=True)),
+                ((slot >= 0) & (kind == _ZEROS), _slot_copy(pool_out, got, sem_out, slot, 0, s, cols, to_pool=True))]
+
+    def send(e, carry):
+        for some, dma in copies(e):
+            pl.when(some)(dma.start)
+        return carry
+
+    def sent(e, carry):
+        for some, dma in copies(e):
+            pl.when(some)(dma.wait)
+        return carry
+
+    for fn in (prepare, send, sent):
+        lax.fori_loop(events_ref[k], events_ref[k + 1], fn, 0)
 
 
-def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool):
+def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool, blocks=None):
     """``(y [T, D], pool)``: every token's output in x's dtype (zeros for padding and pad
     rows), and the pool with each request's new state written (the same buffer, aliased).
 
     ``x [T, D]``; ``pool [slots, S, D]``; ``w [W, D]`` and ``bias [1, D]`` (or ``None``)
     float32; ``qsl [R + 1]``, ``reads``, ``writes [R]`` int32 (the module docstring);
     ``owner``, ``within [T]`` int32: each token's request (``R`` for padding) and its index
-    in it.
+    in it; ``blocks``: prefix caching's ``(K, targets [R, M], computed [R])``, as
+    :func:`state_events` takes them, or ``None``.
     """
     tokens, requests = x.shape[0], reads.shape[0]
     tiles = cdiv(tokens, s.tile)
@@ -331,24 +351,62 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     within = jnp.pad(jnp.where(live, within, -1), (0, tiles * s.tile - tokens), constant_values=-1)[:, None]
     edges = jnp.arange(tiles + 1, dtype=jnp.int32) * s.tile
     first = jnp.searchsorted(qsl[:-1], edges, side="left", method="compare_all")  # requests starting before each edge
-    last = jnp.searchsorted(qsl[1:], edges, side="right", method="compare_all")  # requests ending at or before it
+    rows, slots, kinds, consumed = state_events(qsl, reads, writes, blocks, tiles * s.tile)
+    events = jnp.searchsorted(rows, edges, side="left", method="compare_all")  # states ending before each edge
     reach = max(s.problem.state_len, s.state_len - 1)  # tokens at least this far into a request read no slot
     busy = ((within >= 0) & (within < reach)).reshape(tiles, s.tile).any(axis=1).astype(jnp.int32)
-    busy = busy | 2 * _short_ends(qsl, writes, s, tiles)
+    busy = busy | 2 * _short_states(rows, slots, kinds, consumed, s, tiles)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
     operands = [within, x, w] + ([bias] if s.problem.has_bias else []) + [pool]
-    return call(qsl, reads, writes, first.astype(jnp.int32), last.astype(jnp.int32), busy, *operands)
+    return call(qsl, reads, first.astype(jnp.int32), busy, events.astype(jnp.int32), rows, slots, kinds, *operands)
 
 
-def _short_ends(qsl, writes, s: MixedStatic, tiles: int):
-    """``[tiles]`` int32: 1 where a request of fewer than ``S`` tokens that writes its slot
-    ends in the tile (its state mixes slot and tokens), or everywhere without
-    ``frame_states``."""
+def state_events(qsl, reads, writes, blocks, past: int):
+    """``(rows, slots, kinds, consumed)``, ``[E]`` int32 each, in row order: every state a
+    step writes, as the row of its last token, the slot it goes to (``-1``: none), its kind
+    (``_SENT``: the state at that row; ``_ZEROS``: zeros) and how many of its request's
+    tokens of the step it follows.
+
+    Request ``r``'s states: with prefix caching (``blocks = (K, targets [R, M], computed
+    [R])``), the one after each block boundary its tokens cross, ``(m + 1) * K`` tokens of
+    its sequence with ``computed[r]`` before the step, to ``targets[r, m]`` (``-1``: not
+    cached), then its last one, to ``writes[r]``: where it has no token, zeros if it starts
+    fresh (``reads[r]`` :data:`ZEROS`; at the row before it, or row 0), else nothing. ``E = R`` without
+    blocks, else ``min(2R + past // K, R (M + 1))`` (``past >= T``, past the last tile): a
+    request of ``n`` tokens crosses at most ``n // K + 1`` boundaries. Unused entries: row
+    ``past``, slot ``-1``.
+    """
+    counts = qsl[1:] - qsl[:-1]
+    ends = jnp.where((counts > 0) | (reads == ZEROS), writes, -1)
+    end_kinds = jnp.where(counts > 0, _SENT, _ZEROS)
+    end_rows = jnp.maximum(qsl[1:] - 1, 0)
+    if blocks is None:
+        return end_rows, ends, end_kinds, counts
+    size, targets, computed = blocks
+    requests, cached = targets.shape
+    first = computed // size  # the first boundary not yet crossed: (first + 1) * K > computed
+    crossed = jnp.clip(jnp.minimum((computed + counts) // size, cached) - first, 0, None)
+    start = jnp.cumsum(crossed + 1) - (crossed + 1)  # each request's first entry
+    j = jnp.arange(min(2 * requests + past // size, requests * (cached + 1)), dtype=jnp.int32)
+    r = jnp.clip(jnp.searchsorted(start, j, side="right", method="compare_all") - 1, 0, requests - 1)
+    i = j - start[r]
+    used, block = i <= crossed[r], i < crossed[r]
+    m = first[r] + i
+    consumed = jnp.where(block, (m + 1) * size - computed[r], counts[r])
+    slots = jnp.where(block, targets[r, jnp.clip(m, 0, cached - 1)], ends[r])
+    rows = jnp.where(block, qsl[r] + consumed - 1, end_rows[r])
+    kinds = jnp.where(block, _SENT, end_kinds[r])
+    return (jnp.where(used, rows, past).astype(jnp.int32), jnp.where(used, slots, -1).astype(jnp.int32),
+            kinds.astype(jnp.int32), consumed.astype(jnp.int32))
+
+
+def _short_states(rows, slots, kinds, consumed, s: MixedStatic, tiles: int):
+    """``[tiles]`` int32: 1 where a state of fewer than ``S`` of its request's tokens is
+    sent (it mixes slot and tokens), or everywhere without ``frame_states``."""
     if not s.frame_states:
         return jnp.ones((tiles,), jnp.int32)
-    short = (qsl[1:] > qsl[:-1]) & (qsl[1:] - qsl[:-1] < s.state_len) & (writes >= 0)
-    tile_of_end = jnp.where(short, (qsl[1:] - 1) // s.tile, tiles)
-    return jnp.zeros((tiles,), jnp.int32).at[tile_of_end].set(1, mode="drop")
+    tile_of = jnp.where((slots >= 0) & (kinds == _SENT) & (consumed < s.state_len), rows // s.tile, tiles)
+    return jnp.zeros((tiles,), jnp.int32).at[tile_of].set(1, mode="drop")
 
 
 @functools.lru_cache(maxsize=64)
@@ -361,7 +419,7 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     packed = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, s.state_len, s.channels), pool_dtype)] * 2
     return pool_call(
         functools.partial(_kernel, s=s, dim=dim),
-        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=6, grid=grid, tokens=tile,
+        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=8, grid=grid, tokens=tile,
         ids=pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0)),
         channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
         scratch=[
