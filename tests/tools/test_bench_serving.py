@@ -42,7 +42,7 @@ def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
     assert {(r["kind"], r["implementation"]) for r in rows} == {
         ("decode", serving.OURS), ("decode", serving.BASELINE), ("mixed", serving.OURS), ("mixed", serving.BASELINE),
-        ("prefix", serving.OURS)}
+        ("prefix", serving.OURS), ("prefix", serving.COMPOSED)}
     for r in rows:
         assert "error" not in r, r["error"]
         for key in ("device", "jax", "commit", "time_utc", "median_s", "roofline_s", "ideal_bytes", "state_dtype"):
