@@ -236,6 +236,27 @@ def test_a_prefix_caching_step_lowers_for_tpu_to_the_mixed_kernel_and_its_refusa
 
 
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_step_after_accepted_drafts_lowers_for_tpu_to_the_mixed_kernel(pool_dtype):
+    """``causal_conv1d_step`` with ``num_accepted_tokens`` (a slot of ``W - 1 + 2`` inputs),
+    by default, lowered for a TPU: one Mosaic kernel, the mixed step's (its slots' histories
+    shifted by a run-time sublane roll), aliasing the donated pool."""
+    from maskconv_kernels import causal_conv1d_step
+
+    tokens, requests, dim = 200, 8, 2048
+    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, 5, dim), pool_dtype)
+    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    step = jax.jit(lambda x, pool, w, b, qsl, idx, accepted: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, num_accepted_tokens=accepted, activation="silu"),
+        donate_argnums=1)
+    text = step.trace(x, pool, w, b, ints(requests + 1), ints(requests), ints(requests)).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
+    assert f'kernel_name = "{MIXED_KERNEL}"' in text
+    assert "tf.aliasing_output = 1" in text
+
+
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
 def test_the_mixed_step_kernel_storing_every_state_row_lowers_for_tpu(pool_dtype):
     """With ``Config(step_states_from_frame=False)`` at the default tiles (every token's
     would-be state stored, no aligned window load nor run-time sublane roll), the mixed

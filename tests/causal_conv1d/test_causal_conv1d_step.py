@@ -230,6 +230,41 @@ def test_a_state_written_tiles_before_another_request_reads_its_slot_is_not_read
     np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
 
 
+def test_accepted_drafts_on_the_mixed_kernel_equal_the_composition():
+    """A step after speculative decoding, the TPU kernels named: rows whose accepted tokens
+    are a chain (``num_accepted_tokens``, or an ``accepted_path`` prefix) take the mixed
+    step's kernel, each slot's history shifted to end at its last accepted input, the
+    rejected rows after it NaN and never read: outputs within rounding of the
+    composition's, states its bits. A row whose path leaves the chain (a tree's branch) is
+    refused to the kernel: the composition runs."""
+    from maskconv_kernels.ops.causal_conv1d.step import _check_acceptance, _kernels_refuse
+
+    x, w, b = random(0, (24, D)), random(1, (4, D), scale=0.5), random(2, (D,))
+    pool = np.array(random(3, (6, 5, D)))  # state_len 5: W - 1 = 3 and k = 2 drafts
+    pool[1, 4:] = pool[2, 3:] = np.nan  # rejected drafts: 1 and 2 rows before the slots' last
+    kw = dict(query_start_loc=jnp.array([0, 3, 6, 9, 20]), state_indices=jnp.array([0, 1, 2, 3]),
+              has_initial_state=jnp.array([True, True, True, False]), activation="silu")
+    chains = [dict(num_accepted_tokens=jnp.array([3, 2, 1, 3])),
+              dict(accepted_path=jnp.array([[0, 1, 2], [0, 1, -1], [0, -1, -1], [0, 1, 2]]))]
+    for accepted in chains:
+        y, new = causal_conv1d_step(x, jnp.asarray(pool), w, b, **kw, **accepted, **TPU_KERNEL)
+        ry, rnew = causal_conv1d_step(x, jnp.asarray(pool), w, b, **kw, **accepted, implementation="xla")
+        assert np.isfinite(np.asarray(y)[:20]).all()
+        assert_close(y, ry, F32, 4, 4.0)
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+    tree = jnp.array([[0, 2, -1], [0, 1, -1], [0, -1, -1], [0, 1, 2]])
+    path = _check_acceptance(None, tree, 4, 5, 3)
+    assert _kernels_refuse(kw["query_start_loc"], kw["state_indices"], kw["state_indices"], kw["has_initial_state"],
+                           None, 6, path)
+    assert not _kernels_refuse(kw["query_start_loc"], kw["state_indices"], kw["state_indices"],
+                               kw["has_initial_state"], None, 6, _check_acceptance(None, chains[1]["accepted_path"],
+                                                                                    4, 5, 3))
+    pool[0, 3] = np.nan  # a rejected draft of the branch not taken
+    _, new = causal_conv1d_step(x, jnp.asarray(pool), w, b, **kw, accepted_path=tree, **TPU_KERNEL)
+    _, rnew = causal_conv1d_step(x, jnp.asarray(pool), w, b, **kw, accepted_path=tree, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
+
+
 def test_a_fresh_request_without_tokens_clears_its_slot_on_the_mixed_kernel():
     """No prefix caching nor ``write_indices``: a request without tokens that starts fresh
     writes zeros to its slot, as the composition does (the kernel once left the slot as it
@@ -330,11 +365,14 @@ def test_lowered_it_holds_one_short_convolution_and_no_loop_over_requests():
     assert re.search(r"stablehlo\.scatter", text)
 
 
+@pytest.mark.parametrize("kernel", [{}, TPU_KERNEL], ids=["default", "tpu_mixed_kernel"])
 @pytest.mark.parametrize("width, drafts", [(4, 2), (2, 3)])
-def test_speculative_decoding_never_reads_a_rejected_draft(width, drafts):
+def test_speculative_decoding_never_reads_a_rejected_draft(width, drafts, kernel):
     """Each decode step carries the last accepted token and ``k`` drafts, the rejected ones
     NaN; with the previous step's ``num_accepted_tokens`` every accepted output equals the
-    full sequence's and no NaN reaches an output or the state later tokens read."""
+    full sequence's and no NaN reaches an output or the state later tokens read. With the
+    TPU kernels named (interpreted off a TPU), the mixed step's kernel shifts each slot's
+    history to end at its last accepted input."""
     rng = np.random.default_rng(width)
     seq = np.asarray(random(40, (40, D), F32))
     w, b = random(41, (width, D), F32), random(42, (D,), F32)
@@ -342,7 +380,7 @@ def test_speculative_decoding_never_reads_a_rejected_draft(width, drafts):
     pool = jnp.full((3, state_len, D), jnp.nan)
     step = jax.jit(lambda x, pool, q, fresh, a: causal_conv1d_step(
         x, pool, w, b, query_start_loc=q, state_indices=jnp.array([1]), has_initial_state=fresh,
-        num_accepted_tokens=a, activation="silu"))
+        num_accepted_tokens=a, activation="silu", **kernel))
     full = np.asarray(causal_conv1d(jnp.asarray(seq)[None], w, b, activation="silu")[0])
     tokens = 1 + drafts
     # The prompt: 5 tokens, all accepted.

@@ -79,14 +79,15 @@ def causal_conv1d_step(
     as :func:`~.update.causal_conv1d_update`'s decode kernel (the pool aliased in HBM, a DMA
     per slot; within rounding of the composition, not bit for bit); named with
     ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``). On a TPU
-    (or named), any other step without drafts or ``positions`` runs as the mixed step's
-    kernel (:mod:`.pallas_mosaic_tpu.mixed`: one launch, the pool aliased, block states
-    included; within rounding of the composition). With prefix caching or
-    ``write_indices``, a step whose slot writes could race with its reads (a slot written
-    twice, or written by one request and read by another), a pad row with a slot to write
-    or a request without tokens that copies a slot runs as the composition, decided when
-    it runs: the kernels read and write slots in token order, the composition reads them
-    all first.
+    (or named), any other step without a tree of drafts (``parents``) or ``positions``
+    runs as the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`: one launch, the pool
+    aliased, block states included, a slot's history after accepted drafts shifted in
+    VMEM; within rounding of the composition). A step whose accepted tokens are not a
+    chain in some row (a tree's branch), or, with prefix caching or ``write_indices``,
+    whose slot writes could race with its reads (a slot written twice, or written by one
+    request and read by another), with a pad row that has a slot to write or a request
+    without tokens that copies a slot, runs as the composition, decided when it runs: the
+    kernels read and write slots in token order, the composition reads them all first.
 
     Args:
       x: ``(T, D)``: the step's tokens, requests back to back, then padding up to ``T``
@@ -198,23 +199,25 @@ def causal_conv1d_step(
             new_pool = _write_blocks(new_pool, rows, x, qsl, read, *blocks)
         return y, new_pool
 
-    # Without drafts or positions, on a TPU (or named): the decode kernel where each request
-    # has one token (without prefix caching), the mixed step's kernel otherwise; checked at
-    # run time, with the composition where the kernels' DMAs would not give its pool.
+    # Without a tree of drafts or positions, on a TPU (or named): the decode kernel where
+    # each request has one token (without prefix caching or accepted drafts), the mixed
+    # step's kernel otherwise; checked at run time, with the composition where the kernels'
+    # DMAs would not give its pool or a row's accepted tokens are not a chain.
     mixed = decode = None
-    if tree is None and path is None and starts is None:
+    if tree is None and starts is None:
         problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
         if state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
-            mixed = _mixed_step(qsl, read, write, fresh, owner, within, blocks, composed, problem, interpret)
-        if blocks is None and x.shape[0] == requests:
+            shifts = None if path is None else _history_shifts(path, state_len, window)
+            mixed = _mixed_step(qsl, read, write, fresh, owner, within, blocks, shifts, composed, problem, interpret)
+        if blocks is None and path is None and x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
                 decode = _decode(read, write, fresh, problem, implementation, interpret)
     if mixed is None and decode is None:
         return composed(x, pool, weight, bias)
     refused = None
-    if write_indices is not None or blocks is not None:
-        refused = _kernels_refuse(qsl, read, write, fresh, blocks, slots)
+    if write_indices is not None or blocks is not None or path is not None:
+        refused = _kernels_refuse(qsl, read, write, fresh, blocks, slots, path)
     step = _dispatch(refused, jnp.all(qsl[1:] - qsl[:-1] == 1), composed, mixed, decode)
     if implementation is None:
         return lax.platform_dependent(x, pool, weight, bias, tpu=step, default=composed)
@@ -240,18 +243,22 @@ def _dispatch(refused, one_each, composed, mixed, decode):
     return step
 
 
-def _kernels_refuse(qsl, read, write, started, blocks, slots: int):
-    """Whether the kernels' slot DMAs would not give the composition's pool for a step with
-    ``write_indices`` or prefix caching, so that it must run as the composition: a request
-    without tokens that copies its slot (or NaN, for an index outside the pool) to another
-    (it has no token row to send a state from), a pad row with a slot to write, a slot written twice, or one written by one
-    request and read by another (the kernels read and write in token order; the
-    composition reads every slot first)."""
+def _kernels_refuse(qsl, read, write, started, blocks, slots: int, path=None):
+    """Whether a step with ``write_indices``, prefix caching or accepted drafts (``path``)
+    must run as the composition: a row's accepted tokens that are not a chain (a tree's
+    path: its history is not its slot shifted), or slot DMAs that would not give the
+    composition's pool: a request without tokens that copies its slot (or NaN, for an
+    index outside the pool) to another (it has no token row to send a state from), a pad
+    row with a slot to write, a slot written twice, or one written by one request and read
+    by another (the kernels read and write in token order; the composition reads every
+    slot first)."""
     fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
     reads, writes = slot_codes(read, write, fresh, slots)
     counts = qsl[1:] - qsl[:-1]
     copies = (counts == 0) & (reads != ZEROS) & (writes >= 0) & (writes != reads)  # a slot or NaN to copy
     refused = jnp.any(copies) | jnp.any((read == PAD_SLOT_ID) & (writes >= 0))
+    if path is not None:
+        refused |= jnp.any((path >= 0) & (path != jnp.arange(path.shape[1])))
     requests = read.shape[0]
     targets = [jnp.where((counts > 0) | (reads == ZEROS), writes, -1)]  # zeros for a fresh one without tokens
     owners = [jnp.arange(requests)]
@@ -267,11 +274,18 @@ def _kernels_refuse(qsl, read, write, started, blocks, slots: int):
     return refused | jnp.any(written[:slots] > 1) | jnp.any(other)
 
 
-def _mixed_step(qsl, read, write, started, owner, within, blocks, composed, problem, interpret):
+def _history_shifts(path, state_len: int, window: int):
+    """``(R,)`` int32: how many rows before its slot's last a row's history ends, when its
+    accepted tokens ``path`` are a chain (``0 .. a - 1``): ``state_len - (window - 1 + a)``."""
+    return (state_len - (window - 1) - jnp.sum(path >= 0, axis=1)).astype(jnp.int32)
+
+
+def _mixed_step(qsl, read, write, started, owner, within, blocks, shifts, composed, problem, interpret):
     """The step as the mixed step's kernel (:func:`~.pallas_mosaic_tpu.step`), differentiated
     through ``composed`` (a function of ``(x, pool, weight, bias)`` as the kernel);
     ``started``: ``has_initial_state`` or ``None``; ``blocks``: prefix caching's ``(K,
-    block_indices, num_computed_tokens)`` or ``None``."""
+    block_indices, num_computed_tokens)`` or ``None``; ``shifts``: each slot's history's
+    end before its last row (:func:`_history_shifts`) or ``None``."""
     fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
     owner, within = owner.astype(jnp.int32), within.astype(jnp.int32)
 
@@ -283,7 +297,7 @@ def _mixed_step(qsl, read, write, started, owner, within, blocks, composed, prob
             size, _, computed = blocks
             cached = (size, _crossings(qsl, read, *blocks)[1], computed)
         return tuple(tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=problem,
-                              interpret=interpret, blocks=cached))
+                              interpret=interpret, blocks=cached, shifts=shifts))
 
     def launch_fwd(*args):
         return launch(*args), args

@@ -38,7 +38,9 @@ copies. Within rounding of XLA's composition (the tanh form of the sigmoid), not
 bit.
 
 Scalar-prefetched (SMEM): ``qsl [R + 1]``, ``reads [R]`` (the decode kernel's codes: a
-slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`); per tile ``k`` the requests whose first
+slot, :data:`ZEROS`, :data:`NAN`, :data:`PAD`), ``shifts [R]`` (speculative decoding: a
+slot whose history ends ``shift`` rows before its last, moved that far by a sublane roll
+once read); per tile ``k`` the requests whose first
 tokens lie in it (``first[k]`` to ``first[k + 1]``), ``busy[k]`` (bit 0: a token of it
 reads its slot, for a tap or a state row; a tile that none does, the middle of a long
 prefill, makes no selection, as the forward kernel; bit 1: a state of fewer than ``S``
@@ -80,6 +82,7 @@ class MixedStatic:
     tile: int  # tokens per grid step (a multiple of 16, or all T)
     channels: int  # channels per grid step: D, or a multiple of 128 that divides it
     states_from_frame: bool = False  # Config.step_states_from_frame
+    shifted: bool = False  # some slot's history ends before its last row (speculative decoding's shifts)
 
     @property
     def frame_states(self) -> bool:
@@ -172,12 +175,23 @@ def _state_from_frame(frame, put32, p, s: MixedStatic):
     put32[p] = pltpu.roll(window, (16 - (first - base)) & 15, 0)[:8]
 
 
-def _kernel(qsl_ref, reads_ref, first_ref, busy_ref, events_ref, rows_ref, slots_ref, kinds_ref, within_ref, x_ref,
-            w_ref, *refs, s: MixedStatic, dim: int):
+def _shift_history(got32, p, shift):
+    """Slot ``got32[p]`` (``[rows, channels]``) moved ``shift`` rows later, zeros before: its
+    history ends ``shift`` rows before its last (drafts rejected after it). A run-time
+    sublane roll and a select, where ``shift > 0``."""
+    @pl.when(shift > 0)
+    def _():
+        rows = got32[p]
+        moved = pltpu.roll(rows, shift, 0)
+        got32[p] = jnp.where(lax.broadcasted_iota(jnp.int32, rows.shape, 0) >= shift, moved, 0.0)
+
+
+def _kernel(qsl_ref, reads_ref, shifts_ref, first_ref, busy_ref, events_ref, rows_ref, slots_ref, kinds_ref, within_ref,
+            x_ref, w_ref, *refs, s: MixedStatic, dim: int):
     """One ``[tile, channels]`` block of the outputs, and the states whose last token lies
     in it.
 
-    Refs: the eight scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
+    Refs: the nine scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
     channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
     ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch: the
     slots read ``[tile, P, channels]`` (row ``p``: the slot of the request whose first
@@ -227,6 +241,8 @@ def _kernel(qsl_ref, reads_ref, first_ref, busy_ref, events_ref, rows_ref, slots
             _slot_copy(pool_in, got, sem_in, code, p, s, cols, to_pool=False).wait()
             if packed:
                 got32[pl.ds(p, 1), :sl] = got[pl.ds(p, 1), :sl].astype(jnp.float32)
+            if s.shifted:
+                _shift_history(got32, p, shifts_ref[r])
 
         return carry
 
@@ -335,7 +351,8 @@ def _kernel(qsl_ref, reads_ref, first_ref, busy_ref, events_ref, rows_ref, slots
         lax.fori_loop(events_ref[k], events_ref[k + 1], fn, 0)
 
 
-def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool, blocks=None):
+def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool, blocks=None,
+         shifts=None):
     """``(y [T, D], pool)``: every token's output in x's dtype (zeros for padding and pad
     rows), and the pool with each request's new state written (the same buffer, aliased).
 
@@ -343,7 +360,9 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     float32; ``qsl [R + 1]``, ``reads``, ``writes [R]`` int32 (the module docstring);
     ``owner``, ``within [T]`` int32: each token's request (``R`` for padding) and its index
     in it; ``blocks``: prefix caching's ``(K, targets [R, M], computed [R])``, as
-    :func:`state_events` takes them, or ``None``.
+    :func:`state_events` takes them, or ``None``; ``shifts [R]`` int32 (with
+    ``s.shifted``): how many rows before a slot's last its history ends (its first rows
+    zeros), or ``None``.
     """
     tokens, requests = x.shape[0], reads.shape[0]
     tiles = cdiv(tokens, s.tile)
@@ -358,7 +377,9 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     busy = busy | 2 * _short_states(rows, slots, kinds, consumed, s, tiles)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
     operands = [within, x, w] + ([bias] if s.problem.has_bias else []) + [pool]
-    return call(qsl, reads, first.astype(jnp.int32), busy, events.astype(jnp.int32), rows, slots, kinds, *operands)
+    shifts = jnp.zeros_like(reads) if shifts is None else shifts.astype(jnp.int32)
+    return call(qsl, reads, shifts, first.astype(jnp.int32), busy, events.astype(jnp.int32), rows, slots, kinds,
+                *operands)
 
 
 def state_events(qsl, reads, writes, blocks, past: int):
@@ -419,7 +440,7 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     packed = [] if pool_dtype.itemsize == 4 else [pltpu.VMEM((s.tile, s.state_len, s.channels), pool_dtype)] * 2
     return pool_call(
         functools.partial(_kernel, s=s, dim=dim),
-        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=8, grid=grid, tokens=tile,
+        x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=9, grid=grid, tokens=tile,
         ids=pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0)),
         channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
         scratch=[
