@@ -259,6 +259,8 @@ def _kernels_refuse(qsl, read, write, started, blocks, slots: int, path=None):
     refused = jnp.any(copies) | jnp.any((read == PAD_SLOT_ID) & (writes >= 0))
     if path is not None:
         refused |= jnp.any((path >= 0) & (path != jnp.arange(path.shape[1])))
+    if blocks is None and write is read:
+        return refused  # each request writes the slot it reads, and no other
     requests = read.shape[0]
     targets = [jnp.where((counts > 0) | (reads == ZEROS), writes, -1)]  # zeros for a fresh one without tokens
     owners = [jnp.arange(requests)]
