@@ -169,19 +169,31 @@ def _prefix_step(**changes):
     return jnp.asarray(x), random(41, (12, 3, D)), random(42, (4, D), scale=0.5), random(43, (D,)), kw
 
 
+def _refused(kw, slots: int, path=None) -> bool:
+    """Whether ``causal_conv1d_step(**kw)`` over a pool of ``slots`` is refused to the TPU
+    kernels (``step._kernels_refuse`` on the arguments as the step derives them)."""
+    from maskconv_kernels.ops.causal_conv1d.step import _crossings, _kernels_refuse
+    from maskconv_kernels.ops.causal_conv1d.update import fresh_rows, slot_codes
+
+    read, started = kw["state_indices"], kw.get("has_initial_state")
+    write = kw.get("write_indices", read)
+    crossed = None
+    if "block_size" in kw:
+        crossed = _crossings(kw["query_start_loc"], read, kw["block_size"], kw["block_indices"],
+                             kw["num_computed_tokens"])[1]
+    codes = slot_codes(read, write, fresh_rows(started, read), slots)
+    return bool(_kernels_refuse(kw["query_start_loc"], read, codes, crossed, slots, path,
+                                separate="write_indices" in kw))
+
+
 def test_prefix_caching_and_write_indices_on_the_mixed_kernel_equal_the_composition():
     """The TPU kernels named (interpreted off a TPU): a step with prefix caching takes the
     mixed step's kernel (nothing in it races), its outputs within rounding of XLA's
     composition and every block state, own state and cleared slot its bits; with
     ``write_indices`` too (one request's state to a new slot)."""
-    from maskconv_kernels.ops.causal_conv1d.step import _kernels_refuse
-
     for changes in ({}, dict(write_indices=jnp.array([0, 11, 2, 3, PAD_SLOT_ID]))):
         x, pool, w, b, kw = _prefix_step(**changes)
-        blocks = (kw["block_size"], kw["block_indices"], kw["num_computed_tokens"])
-        write = kw.get("write_indices", kw["state_indices"])
-        assert not _kernels_refuse(kw["query_start_loc"], kw["state_indices"], write, kw["has_initial_state"], blocks,
-                                   pool.shape[0])
+        assert not _refused(kw, pool.shape[0])
         y, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
         ry, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
         assert_close(y, ry, F32, 4, 4.0)
@@ -203,13 +215,8 @@ def test_steps_whose_slot_dmas_would_race_are_refused_to_the_kernels(changes):
     copied by a request without tokens, a pad row with a slot to write), the step is
     refused to the kernels (the composition runs when it runs), and its pool is the
     composition's."""
-    from maskconv_kernels.ops.causal_conv1d.step import _kernels_refuse
-
     x, pool, w, b, kw = _prefix_step(**changes)
-    blocks = (kw["block_size"], kw["block_indices"], kw["num_computed_tokens"])
-    write = kw.get("write_indices", kw["state_indices"])
-    assert _kernels_refuse(kw["query_start_loc"], kw["state_indices"], write, kw["has_initial_state"], blocks,
-                           pool.shape[0])
+    assert _refused(kw, pool.shape[0])
     _, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
     _, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
     np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
@@ -237,7 +244,7 @@ def test_accepted_drafts_on_the_mixed_kernel_equal_the_composition():
     rejected rows after it NaN and never read: outputs within rounding of the
     composition's, states its bits. A row whose path leaves the chain (a tree's branch) is
     refused to the kernel: the composition runs."""
-    from maskconv_kernels.ops.causal_conv1d.step import _check_acceptance, _kernels_refuse
+    from maskconv_kernels.ops.causal_conv1d.step import _check_acceptance
 
     x, w, b = random(0, (24, D)), random(1, (4, D), scale=0.5), random(2, (D,))
     pool = np.array(random(3, (6, 5, D)))  # state_len 5: W - 1 = 3 and k = 2 drafts
@@ -254,11 +261,8 @@ def test_accepted_drafts_on_the_mixed_kernel_equal_the_composition():
         np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
     tree = jnp.array([[0, 2, -1], [0, 1, -1], [0, -1, -1], [0, 1, 2]])
     path = _check_acceptance(None, tree, 4, 5, 3)
-    assert _kernels_refuse(kw["query_start_loc"], kw["state_indices"], kw["state_indices"], kw["has_initial_state"],
-                           None, 6, path)
-    assert not _kernels_refuse(kw["query_start_loc"], kw["state_indices"], kw["state_indices"],
-                               kw["has_initial_state"], None, 6, _check_acceptance(None, chains[1]["accepted_path"],
-                                                                                    4, 5, 3))
+    assert _refused(kw, 6, path)
+    assert not _refused(kw, 6, _check_acceptance(None, chains[1]["accepted_path"], 4, 5, 3))
     pool[0, 3] = np.nan  # a rejected draft of the branch not taken
     _, new = causal_conv1d_step(x, jnp.asarray(pool), w, b, **kw, accepted_path=tree, **TPU_KERNEL)
     _, rnew = causal_conv1d_step(x, jnp.asarray(pool), w, b, **kw, accepted_path=tree, implementation="xla")

@@ -27,7 +27,7 @@ from .checks import check_activation, check_operands, problem_of
 from . import pallas_mosaic_tpu as tpu
 from .pallas_mosaic_tpu.config import ZEROS
 from .update import (
-    PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, one_launch, read_slots, slot_codes,
+    PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, fresh_rows, one_launch, read_slots, slot_codes,
     tpu_kernel_taken, write_slots,
 )
 
@@ -167,7 +167,7 @@ def causal_conv1d_step(
     requests = qsl.shape[0] - 1
     read = check_state_indices(state_indices, requests, slots, OP)
     write = read if write_indices is None else check_state_indices(write_indices, requests, slots, OP, "write_indices")
-    fresh = None if has_initial_state is None else check_row_values("has_initial_state", has_initial_state, requests,
+    started = None if has_initial_state is None else check_row_values("has_initial_state", has_initial_state, requests,
                                                                     "b", OP)
     blocks = _check_blocks(block_size, block_indices, num_computed_tokens, requests, slots)
     path = _check_acceptance(num_accepted_tokens, accepted_path, requests, state_len, window)
@@ -182,8 +182,8 @@ def causal_conv1d_step(
         rows = read_slots(pool, read)
         if path is not None:
             rows = _valid_history(rows, path, window)
-        if fresh is not None:
-            rows = jnp.where(fresh[:, None, None], rows, jnp.zeros((), rows.dtype))
+        if started is not None:
+            rows = jnp.where(started[:, None, None], rows, jnp.zeros((), rows.dtype))
         documents = None if starts is None else _documents(starts, qsl, owner)
         before = rows[:, state_len - window:].astype(x.dtype)
         if tree is None:
@@ -205,19 +205,23 @@ def causal_conv1d_step(
     # DMAs would not give its pool or a row's accepted tokens are not a chain.
     mixed = decode = None
     if tree is None and starts is None:
+        # The kernels' slot codes, and the slots of the block states this step crosses.
+        codes = slot_codes(read, write, fresh_rows(started, read), slots)
+        crossed = None if blocks is None else _crossings(qsl, read, *blocks)[1]
         problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
         if state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
             shifts = None if path is None else _history_shifts(path, state_len, window)
-            mixed = _mixed_step(qsl, read, write, fresh, owner, within, blocks, shifts, composed, problem, interpret)
+            cached = None if blocks is None else (blocks[0], crossed, blocks[2])
+            mixed = _mixed_step(qsl, codes, owner, within, cached, shifts, composed, problem, interpret)
         if blocks is None and path is None and x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
-                decode = _decode(read, write, fresh, problem, implementation, interpret)
+                decode = _decode(read, write, started, problem, implementation, interpret)
     if mixed is None and decode is None:
         return composed(x, pool, weight, bias)
     refused = None
     if write_indices is not None or blocks is not None or path is not None:
-        refused = _kernels_refuse(qsl, read, write, fresh, blocks, slots, path)
+        refused = _kernels_refuse(qsl, read, codes, crossed, slots, path, separate=write_indices is not None)
     step = _dispatch(refused, jnp.all(qsl[1:] - qsl[:-1] == 1), composed, mixed, decode)
     if implementation is None:
         return lax.platform_dependent(x, pool, weight, bias, tpu=step, default=composed)
@@ -243,7 +247,7 @@ def _dispatch(refused, one_each, composed, mixed, decode):
     return step
 
 
-def _kernels_refuse(qsl, read, write, started, blocks, slots: int, path=None):
+def _kernels_refuse(qsl, read, codes, crossed, slots: int, path=None, separate: bool = True):
     """Whether a step with ``write_indices``, prefix caching or accepted drafts (``path``)
     must run as the composition: a row's accepted tokens that are not a chain (a tree's
     path: its history is not its slot shifted), or slot DMAs that would not give the
@@ -251,21 +255,20 @@ def _kernels_refuse(qsl, read, write, started, blocks, slots: int, path=None):
     index outside the pool) to another (it has no token row to send a state from), a pad
     row with a slot to write, a slot written twice, or one written by one request and read
     by another (the kernels read and write in token order; the composition reads every
-    slot first)."""
-    fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
-    reads, writes = slot_codes(read, write, fresh, slots)
+    slot first). ``codes``: :func:`~.update.slot_codes`'s; ``crossed``: the block states'
+    slots (:func:`_crossings`) or ``None``; ``separate``: ``write_indices`` given."""
+    reads, writes = codes
     counts = qsl[1:] - qsl[:-1]
     copies = (counts == 0) & (reads != ZEROS) & (writes >= 0) & (writes != reads)  # a slot or NaN to copy
     refused = jnp.any(copies) | jnp.any((read == PAD_SLOT_ID) & (writes >= 0))
     if path is not None:
         refused |= jnp.any((path >= 0) & (path != jnp.arange(path.shape[1])))
-    if blocks is None and write is read:
+    if crossed is None and not separate:
         return refused  # each request writes the slot it reads, and no other
     requests = read.shape[0]
     targets = [jnp.where((counts > 0) | (reads == ZEROS), writes, -1)]  # zeros for a fresh one without tokens
     owners = [jnp.arange(requests)]
-    if blocks is not None:
-        crossed = _crossings(qsl, read, *blocks)[1]
+    if crossed is not None:
         targets.append(crossed.reshape(-1))
         owners.append(jnp.repeat(jnp.arange(requests), crossed.shape[1]))
     target, owner = jnp.concatenate(targets), jnp.concatenate(owners)
@@ -282,24 +285,19 @@ def _history_shifts(path, state_len: int, window: int):
     return (state_len - (window - 1) - jnp.sum(path >= 0, axis=1)).astype(jnp.int32)
 
 
-def _mixed_step(qsl, read, write, started, owner, within, blocks, shifts, composed, problem, interpret):
+def _mixed_step(qsl, codes, owner, within, blocks, shifts, composed, problem, interpret):
     """The step as the mixed step's kernel (:func:`~.pallas_mosaic_tpu.step`), differentiated
     through ``composed`` (a function of ``(x, pool, weight, bias)`` as the kernel);
-    ``started``: ``has_initial_state`` or ``None``; ``blocks``: prefix caching's ``(K,
-    block_indices, num_computed_tokens)`` or ``None``; ``shifts``: each slot's history's
-    end before its last row (:func:`_history_shifts`) or ``None``."""
-    fresh = jnp.zeros(read.shape, bool) if started is None else jnp.logical_not(started)
+    ``codes``: the rows' slot codes (:func:`~.update.slot_codes`); ``blocks``: prefix
+    caching's ``(K, crossed block states' slots (R, M), num_computed_tokens)`` or ``None``;
+    ``shifts``: each slot's history's end before its last row (:func:`_history_shifts`) or
+    ``None``."""
     owner, within = owner.astype(jnp.int32), within.astype(jnp.int32)
 
     @jax.custom_vjp
     def launch(x, pool, weight, bias):
-        reads, writes = slot_codes(read, write, fresh, pool.shape[0])
-        cached = None
-        if blocks is not None:
-            size, _, computed = blocks
-            cached = (size, _crossings(qsl, read, *blocks)[1], computed)
-        return tuple(tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=problem,
-                              interpret=interpret, blocks=cached, shifts=shifts))
+        return tuple(tpu.step(x, pool, weight, bias, qsl, *codes, owner, within, problem=problem,
+                              interpret=interpret, blocks=blocks, shifts=shifts))
 
     def launch_fwd(*args):
         return launch(*args), args
@@ -311,11 +309,11 @@ def _mixed_step(qsl, read, write, started, owner, within, blocks, shifts, compos
     return launch
 
 
-def _decode(read, write, fresh, problem, implementation, interpret):
+def _decode(read, write, started, problem, implementation, interpret):
     """The step as the TPU's decode kernel (:func:`~.update.decode_launch`), for steps of
     one token a request (``T == R``)."""
     def kernel(x, pool, weight, bias):
-        y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, fresh, problem=problem,
+        y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, started, problem=problem,
                                 implementation=implementation, interpret=interpret)
         return y[:, 0], pool
 

@@ -222,7 +222,7 @@ def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, *, pr
     everywhere. Its derivatives are the composition's (a ``custom_vjp``).
     :func:`causal_conv1d_update` and ``causal_conv1d_step``'s decode steps call it.
     """
-    fresh = jnp.zeros(reads.shape, bool) if has_initial_state is None else jnp.logical_not(has_initial_state)
+    fresh = fresh_rows(has_initial_state, reads)
     params = dict(problem=problem, implementation=implementation, interpret=bool(interpret))
 
     @jax.custom_vjp
@@ -250,6 +250,12 @@ def _decode_kernel(x, pool, weight, bias, reads, writes, fresh, *, problem, inte
     """:func:`decode_launch`'s ``(y, pool)`` from the kernel: the rows' indices as its codes."""
     codes, targets = slot_codes(reads, writes, fresh, pool.shape[0])
     return tpu.update(x, pool, weight, bias, codes, targets, problem=problem, interpret=interpret)
+
+
+def fresh_rows(has_initial_state, reads) -> jax.Array:
+    """``(B,)`` bools: the rows that start fresh (``has_initial_state`` false; none where it
+    is ``None``), beside ``reads (B,)``."""
+    return jnp.zeros(reads.shape, bool) if has_initial_state is None else jnp.logical_not(has_initial_state)
 
 
 def slot_codes(reads, writes, fresh, slots: int) -> tuple[jax.Array, jax.Array]:
