@@ -20,7 +20,7 @@ from support.numerics import assert_close
 from support.short_conv import BF16, F32, check_against_oracles, ids, inputs
 from support.tiers import tiered
 
-from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d
+from maskconv_kernels.ops.causal_conv1d import backends, causal_conv1d, causal_conv1d_step, causal_conv1d_update
 from maskconv_kernels.ops.causal_conv1d.checks import make_problem
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import KERNELS, PREFERRED_FROM, Config
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu.config import DECODE_KERNEL, MIXED_KERNEL, halo_rows
@@ -254,6 +254,37 @@ def test_a_step_after_accepted_drafts_lowers_for_tpu_to_the_mixed_kernel(pool_dt
     assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
     assert f'kernel_name = "{MIXED_KERNEL}"' in text
     assert "tf.aliasing_output = 1" in text
+
+
+_SERVING_GRADIENTS = {
+    "update": lambda x, pool, w, b, qsl, idx, blocks: causal_conv1d_update(
+        x[:8, None], pool, w, b, activation="silu", state_indices=idx)[0].sum(),
+    "decode or mixed step": lambda x, pool, w, b, qsl, idx, blocks: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu")[0].sum(),
+    "prefix step": lambda x, pool, w, b, qsl, idx, blocks: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu", block_size=16,
+        block_indices=blocks, num_computed_tokens=idx, write_indices=idx[::-1])[1].sum(),
+}
+
+
+@pytest.mark.parametrize("call", list(_SERVING_GRADIENTS))
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_the_serving_kernels_gradients_lower_for_tpu(call, outer_jit):
+    """The values and gradients of the serving calls whose TPU kernels take the composition's
+    derivatives (a ``custom_vjp``), through a jitted call and under ``jit``, lower for a TPU
+    with the kernel in the forward: the ``custom_vjp`` closes over no tracer (one did:
+    its backward, traced after the call's trace had ended, held that trace's values, and
+    lowering it failed on the chip only, where the kernel's branch is kept)."""
+    tokens, requests, dim = 40, 8, 256
+    f = jax.jit(_SERVING_GRADIENTS[call])
+    grad = jax.value_and_grad(f, argnums=(0, 1, 2, 3))  # the value: the kernel's, kept
+    grad = jax.jit(grad) if outer_jit else grad
+    args = (jax.ShapeDtypeStruct((tokens, dim), jnp.float32), jax.ShapeDtypeStruct((20, 3, dim), jnp.float32),
+            jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32),
+            jax.ShapeDtypeStruct((requests + 1,), jnp.int32), jax.ShapeDtypeStruct((requests,), jnp.int32),
+            jax.ShapeDtypeStruct((requests, 2), jnp.int32))
+    text = jax.jit(grad).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
 
 
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])

@@ -177,26 +177,32 @@ def causal_conv1d_step(
     tree = None if parents is None else _check_parents(parents, owner, within, requests, blocks, starts)
 
     conv = dict(activation=activation, dilation=dilation, implementation=implementation, interpret=interpret)
+    size = None if blocks is None else blocks[0]
+    # The step's traced metadata, an argument of every branch: the kernels' derivatives (a
+    # custom_vjp's) are the composition's, and a custom_vjp may not close over a tracer.
+    meta = dict(qsl=qsl, read=read, write=write, started=started, owner=owner, within=within, path=path,
+                starts=starts, tree=tree, blocks=None if blocks is None else blocks[1:])
 
-    def composed(x, pool, weight, bias):
-        rows = read_slots(pool, read)
-        if path is not None:
-            rows = _valid_history(rows, path, window)
-        if started is not None:
-            rows = jnp.where(started[:, None, None], rows, jnp.zeros((), rows.dtype))
-        documents = None if starts is None else _documents(starts, qsl, owner)
+    def composed(x, pool, weight, bias, meta):
+        m = meta
+        rows = read_slots(pool, m["read"])
+        if m["path"] is not None:
+            rows = _valid_history(rows, m["path"], window)
+        if m["started"] is not None:
+            rows = jnp.where(m["started"][:, None, None], rows, jnp.zeros((), rows.dtype))
+        documents = None if m["starts"] is None else _documents(m["starts"], m["qsl"], m["owner"])
         before = rows[:, state_len - window:].astype(x.dtype)
-        if tree is None:
-            y = _outputs(x, before, weight, bias, qsl, owner, read, window, documents, **conv)
+        if m["tree"] is None:
+            y = _outputs(x, before, weight, bias, m["qsl"], m["owner"], m["read"], window, documents, **conv)
         else:
-            y = _tree_outputs(x, before, weight, bias, owner, within, read, tree, window, **conv)
-        counts = qsl[1:] - qsl[:-1]
-        state = _state_after(rows, x, qsl, counts)
-        if starts is not None:
-            state = _from_last_start(state, starts, qsl, owner, within)
-        new_pool = write_slots(pool, write, state)
-        if blocks is not None:
-            new_pool = _write_blocks(new_pool, rows, x, qsl, read, *blocks)
+            y = _tree_outputs(x, before, weight, bias, m["owner"], m["within"], m["read"], m["tree"], window, **conv)
+        counts = m["qsl"][1:] - m["qsl"][:-1]
+        state = _state_after(rows, x, m["qsl"], counts)
+        if m["starts"] is not None:
+            state = _from_last_start(state, m["starts"], m["qsl"], m["owner"], m["within"])
+        new_pool = write_slots(pool, m["write"], state)
+        if m["blocks"] is not None:
+            new_pool = _write_blocks(new_pool, rows, x, m["qsl"], m["read"], size, *m["blocks"])
         return y, new_pool
 
     # Without a tree of drafts or positions, on a TPU (or named): the decode kernel where
@@ -206,26 +212,26 @@ def causal_conv1d_step(
     mixed = decode = None
     if tree is None and starts is None:
         # The kernels' slot codes, and the slots of the block states this step crosses.
-        codes = slot_codes(read, write, fresh_rows(started, read), slots)
+        meta["codes"] = slot_codes(read, write, fresh_rows(started, read), slots)
         crossed = None if blocks is None else _crossings(qsl, read, *blocks)[1]
         problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
         if state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
-            shifts = None if path is None else _history_shifts(path, state_len, window)
-            cached = None if blocks is None else (blocks[0], crossed, blocks[2])
-            mixed = _mixed_step(qsl, codes, owner, within, cached, shifts, composed, problem, interpret)
+            meta["shifts"] = None if path is None else _history_shifts(path, state_len, window)
+            meta["cached"] = None if blocks is None else (crossed, blocks[2])
+            mixed = _mixed_step(composed, size, problem, interpret)
         if blocks is None and path is None and x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
-                decode = _decode(read, write, started, problem, implementation, interpret)
+                decode = _decode(problem, implementation, interpret)
     if mixed is None and decode is None:
-        return composed(x, pool, weight, bias)
+        return composed(x, pool, weight, bias, meta)
     refused = None
     if write_indices is not None or blocks is not None or path is not None:
-        refused = _kernels_refuse(qsl, read, codes, crossed, slots, path, separate=write_indices is not None)
+        refused = _kernels_refuse(qsl, read, meta["codes"], crossed, slots, path, separate=write_indices is not None)
     step = _dispatch(refused, jnp.all(qsl[1:] - qsl[:-1] == 1), composed, mixed, decode)
     if implementation is None:
-        return lax.platform_dependent(x, pool, weight, bias, tpu=step, default=composed)
-    return step(x, pool, weight, bias)
+        return lax.platform_dependent(x, pool, weight, bias, meta, tpu=step, default=composed)
+    return step(x, pool, weight, bias, meta)
 
 
 def _dispatch(refused, one_each, composed, mixed, decode):
@@ -285,36 +291,39 @@ def _history_shifts(path, state_len: int, window: int):
     return (state_len - (window - 1) - jnp.sum(path >= 0, axis=1)).astype(jnp.int32)
 
 
-def _mixed_step(qsl, codes, owner, within, blocks, shifts, composed, problem, interpret):
+def _mixed_step(composed, size, problem, interpret):
     """The step as the mixed step's kernel (:func:`~.pallas_mosaic_tpu.step`), differentiated
-    through ``composed`` (a function of ``(x, pool, weight, bias)`` as the kernel);
-    ``codes``: the rows' slot codes (:func:`~.update.slot_codes`); ``blocks``: prefix
-    caching's ``(K, crossed block states' slots (R, M), num_computed_tokens)`` or ``None``;
-    ``shifts``: each slot's history's end before its last row (:func:`_history_shifts`) or
-    ``None``."""
-    owner, within = owner.astype(jnp.int32), within.astype(jnp.int32)
+    through ``composed``: both functions of ``(x, pool, weight, bias, meta)``, ``meta`` the
+    step's traced metadata (:func:`causal_conv1d_step`'s), here with the rows' slot
+    ``codes`` (:func:`~.update.slot_codes`), prefix caching's ``cached`` block states
+    (crossed block states' slots ``(R, M)``, ``num_computed_tokens``) or ``None`` with
+    ``size`` (``K``), and the ``shifts`` of each slot's history's end before its last row
+    (:func:`_history_shifts`) or ``None``."""
 
     @jax.custom_vjp
-    def launch(x, pool, weight, bias):
-        return tuple(tpu.step(x, pool, weight, bias, qsl, *codes, owner, within, problem=problem,
-                              interpret=interpret, blocks=blocks, shifts=shifts))
+    def launch(x, pool, weight, bias, meta):
+        blocks = None if meta["cached"] is None else (size, *meta["cached"])
+        owner, within = meta["owner"].astype(jnp.int32), meta["within"].astype(jnp.int32)
+        return tuple(tpu.step(x, pool, weight, bias, meta["qsl"], *meta["codes"], owner, within, problem=problem,
+                              interpret=interpret, blocks=blocks, shifts=meta["shifts"]))
 
     def launch_fwd(*args):
         return launch(*args), args
 
     def launch_bwd(args, cotangents):
-        return jax.vjp(composed, *args)[1](cotangents)
+        *operands, meta = args
+        return (*jax.vjp(lambda *a: composed(*a, meta), *operands)[1](cotangents), None)
 
     launch.defvjp(launch_fwd, launch_bwd)
     return launch
 
 
-def _decode(read, write, started, problem, implementation, interpret):
+def _decode(problem, implementation, interpret):
     """The step as the TPU's decode kernel (:func:`~.update.decode_launch`), for steps of
     one token a request (``T == R``)."""
-    def kernel(x, pool, weight, bias):
-        y, pool = decode_launch(x[:, None], pool, weight, bias, read, write, started, problem=problem,
-                                implementation=implementation, interpret=interpret)
+    def kernel(x, pool, weight, bias, meta):
+        y, pool = decode_launch(x[:, None], pool, weight, bias, meta["read"], meta["write"], meta["started"],
+                                problem=problem, implementation=implementation, interpret=interpret)
         return y[:, 0], pool
 
     return kernel

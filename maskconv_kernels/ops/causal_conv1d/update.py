@@ -225,19 +225,21 @@ def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, *, pr
     fresh = fresh_rows(has_initial_state, reads)
     params = dict(problem=problem, implementation=implementation, interpret=bool(interpret))
 
+    # The slot indices are arguments, not closed over: a custom_vjp may not close over a tracer.
     @jax.custom_vjp
-    def launch(x, pool, weight, bias):
-        operands = (x, pool, weight) + (() if bias is None else (bias,)) + (reads, writes, fresh)
+    def launch(x, pool, weight, bias, slots):
+        operands = (x, pool, weight) + (() if bias is None else (bias,)) + slots
         return tuple(bind(DECODE, *operands, **params))
 
     def launch_fwd(*args):
         return launch(*args), args
 
     def launch_bwd(args, cotangents):
-        return jax.vjp(lambda *a: _decoded(*a, reads, writes, fresh, problem=problem), *args)[1](cotangents)
+        *operands, slots = args
+        return (*jax.vjp(lambda *a: _decoded(*a, *slots, problem=problem), *operands)[1](cotangents), None)
 
     launch.defvjp(launch_fwd, launch_bwd)
-    return launch(x, pool, weight, bias)
+    return launch(x, pool, weight, bias, (reads, writes, fresh))
 
 
 def _decoded(x, pool, weight, bias, reads, writes, fresh, *, problem):
