@@ -13,7 +13,9 @@ tokens, width 4, SiLU, as hybrid models serve their short convolutions). Three k
 
 Timed in one process with samples interleaved (:mod:`.timing`), not donated (each
 timed call reuses its inputs; ``--steps-per-call N`` runs N steps a call in a loop that
-carries the pool in place instead, and gives the time per step):
+carries the pool in place instead, and gives the time per step; with ``--marginal`` a
+step's time is the difference between calls of 2N and of N steps over N, which leaves out
+the call's own cost, its dispatch and the pool's copy into the loop, given beside it):
 
 * ``causal_conv1d_step``: this library, ``implementation=None``;
 * ``gather+lax.conv+scatter`` (``decode`` and ``mixed``): the code users write today:
@@ -220,10 +222,17 @@ def in_place(f, steps: int):
     return g
 
 
+DOUBLED = " (2N steps)"  # the timed loop of twice the steps, for a marginal time
+
+
 def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta: dict, bandwidth: float,
-             steps_per_call: int = 1) -> list[dict]:
-    """One cell's rows. ``steps_per_call > 1``: each timed call runs that many steps
-    (:func:`in_place`), and the times are per step; the checks run one step."""
+             steps_per_call: int = 1, marginal: bool = False) -> list[dict]:
+    """One cell's rows. ``steps_per_call = N > 1``: each timed call runs N steps
+    (:func:`in_place`), and the times are per step: a call's over N, or with ``marginal``
+    the difference of a call of 2N steps and one of N (sampled side by side) over N, with
+    the call's own cost (``call_s``: the N-step call's time less N steps) beside it. The
+    checks run one step."""
+    marginal = marginal and steps_per_call > 1
     dtype = DTYPES[dtype_name]
     step = make_step(shape, kind, dtype)
     found = {OURS: ours(shape, kind)}
@@ -234,7 +243,7 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
     base = {"shape": shape.name, **dataclasses.asdict(shape), "kind": kind, "tokens": int(step.x.shape[0]),
             "dtype": dtype_name, "state_dtype": str(step.pool.dtype), "weight_dtype": "float32",
             "ideal_bytes": ideal_bytes(shape, kind, dtype, step.pool.dtype), "bandwidth_bytes_per_s": bandwidth,
-            "steps_per_call": steps_per_call, **meta}
+            "steps_per_call": steps_per_call, "timing": "marginal" if marginal else "per call", **meta}
     rows, compiled, timed = {}, {}, {}
     for name, f in found.items():
         row = dict(base, implementation=name)
@@ -245,17 +254,24 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
             row.update(memory(compiled[name]))
             timed[name] = (compiled[name] if steps_per_call == 1
                            else jax.jit(in_place(f, steps_per_call)).lower(step).compile())
+            if marginal:
+                timed[name + DOUBLED] = jax.jit(in_place(f, 2 * steps_per_call)).lower(step).compile()
         except Exception as e:  # report it and carry on with the others
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         rows[name] = row
     times = time_interleaved(timed, [(step,)], preset)
     roofline = base["ideal_bytes"] / bandwidth
-    for name, ts in times.items():
-        ts = [t / steps_per_call for t in ts]
+    for name in rows:
+        if name not in times:
+            continue
+        ts = [t / steps_per_call for t in times[name]]
+        if marginal:  # paired samples: the same sample of each loop
+            ts = [(t2 - t1) / steps_per_call for t1, t2 in zip(times[name], times[name + DOUBLED])]
+            rows[name]["call_s"] = statistics.median(times[name]) - steps_per_call * statistics.median(ts)
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
     if BASELINE in times:
-        for name in set(times) - {BASELINE}:
+        for name in set(times) & set(rows) - {BASELINE}:
             rows[name][f"vs_{BASELINE}"] = rows[BASELINE]["median_s"] / rows[name]["median_s"]
     probe = _unread_slots_nan(step)
     outputs = {name: c(step) for name, c in compiled.items()}
@@ -278,8 +294,12 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
 
 
 def markdown(rows: list[dict]) -> str:
+    calls = [r["call_s"] for r in rows if "call_s" in r]
+    marginal = (f" (the marginal time: a call of 2N steps less one of N, over N; a call's own cost, its dispatch "
+                f"and the pool's copy into the loop, is left out: {ms(min(calls))}-{ms(max(calls))} ms a call)"
+                if calls else "")
     lines = [
-        f"Median ms (p20-p80) of one step; roofline = the bytes the step must move / bandwidth (the fraction of it "
+        f"Median ms (p20-p80) of one step{marginal}; roofline = the bytes the step must move / bandwidth (the fraction of it "
         f"achieved in brackets); vs baseline = {BASELINE}'s time over this row's; diff = the largest |difference| "
         "of outputs and written states from the baseline's; NaN-isolated = NaN in every slot the step does not read "
         f"leaves every output and written state bit-identical. Prefix steps have no baseline; {COMPOSED} is XLA's "
@@ -330,6 +350,10 @@ def add_arguments(parser) -> None:
                         help="time this many steps per call in a loop carrying the pool (in place, as a donated "
                              "server loop; default 1: one step a call, the pool copied when an implementation "
                              "aliases it)")
+    parser.add_argument("--marginal", action="store_true",
+                        help="with --steps-per-call N > 1: a step's time is the difference of calls of 2N and N "
+                             "steps over N, the call's own cost (dispatch, the pool's copy into the loop) left out "
+                             "and reported beside it")
 
 
 def run(args) -> int:
@@ -344,7 +368,9 @@ def run(args) -> int:
     meta = {**meta, "measured_bandwidth_bytes_per_s": measured}
     grid = [(s, d, k) for s in shapes for d in preset.dtypes for k in preset.modes]
     steps = max(1, getattr(args, "steps_per_call", 1))
-    rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth, steps), out, args.time_budget,
+    marginal = bool(getattr(args, "marginal", False))
+    rows = run_grid(grid, lambda _, *cell: run_cell(*cell, preset, meta, bandwidth, steps, marginal), out,
+                    args.time_budget,
                     f"{meta['device']} (preset {name})")
     write_outputs(rows, out, chart_too=not args.no_chart)
     return 0 if rows and not any("error" in r for r in rows) else 1
