@@ -7,6 +7,7 @@
     python -m benchmarks.probes.tpu_mixed_tiles --parts --tile 64x2048  # the parts at other tiles
     python -m benchmarks.probes.tpu_mixed_tiles --parts --frame  # with Config(step_states_from_frame=True)
     python -m benchmarks.probes.tpu_mixed_tiles --configs 32x8192 32x8192+frame  # only those configs
+    python -m benchmarks.probes.tpu_mixed_tiles --prefix     # where a prefix step's extra time goes
 
 ``bench serving --preset tpu``'s ``mixed`` steps (bfloat16 tokens, float32 states, W = 4,
 SiLU; an eighth of the requests a 64-token prefill chunk, the others a decode token each),
@@ -22,6 +23,13 @@ slot DMAs (no copy starts or waits), and without both; without the state rows (e
 token's would-be state stored and each slot's inputs loaded one sublane a token), with and
 without the slot DMAs. The variants' values are wrong by construction and not checked,
 only their times are the finding.
+
+``--prefix``: ``bench serving``'s ``prefix`` steps (the ``mixed`` steps' tokens, each
+prefill chunk's state after every 16 tokens written to a slot of its own) at the default
+``Config``: the kernel on the mixed step, the kernel on the prefix step's tokens without
+and with its block states, and ``causal_conv1d_step`` on the prefix step (the kernel
+behind its race check and run-time branch), each time a step the difference of loops of
+100 and 50 steps over 50 (the call's own cost left out).
 
 ``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
 tiles lie inside a long prefill, where no token reads its slot. ``--tile TxC``: the parts
@@ -40,7 +48,7 @@ from maskconv_kernels.bench.timing import median_times
 from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import mixed
 from maskconv_kernels.ops.causal_conv1d.checks import problem_of
-from maskconv_kernels.ops.causal_conv1d.step import _owners
+from maskconv_kernels.ops.causal_conv1d.step import _crossings, _owners
 from maskconv_kernels.ops.causal_conv1d.update import slot_codes
 
 INTERPRET = "--interpret" in sys.argv or jax.default_backend() != "tpu"
@@ -71,9 +79,15 @@ def _name(config) -> str:
     return f"{config[0]}x{config[1]}" + ("+frame" if _from_frame(config) else "")
 
 
-def kernel(config):
+def kernel(config, block=None):
+    """``f(step)``: the mixed step's kernel at ``config``; with ``block`` (``K``), the step's
+    block states too (``step.block_indices``, ``step.num_computed_tokens``)."""
     def f(s):
         fresh = jnp.logical_not(s.has_initial_state)
+        blocks = None
+        if block is not None:
+            crossed = _crossings(s.query_start_loc, s.state_indices, block, s.block_indices, s.num_computed_tokens)[1]
+            blocks = (block, crossed, s.num_computed_tokens.astype(jnp.int32))
         reads, writes = slot_codes(s.state_indices, s.state_indices, fresh, s.pool.shape[0])
         owner = _owners(s.query_start_loc, s.x.shape[0])
         within = jnp.arange(s.x.shape[0], dtype=jnp.int32) - jnp.take(s.query_start_loc, owner)
@@ -81,7 +95,8 @@ def kernel(config):
         return tuple(tpu.step(s.x, s.pool, s.weight, s.bias, s.query_start_loc, reads, writes, owner,
                               within.astype(jnp.int32), problem=problem, config=tpu.Config(
                                   step_tokens=config[0], step_channels=config[1],
-                                  step_states_from_frame=_from_frame(config)), interpret=INTERPRET))
+                                  step_states_from_frame=_from_frame(config)), interpret=INTERPRET,
+                              blocks=blocks))
     return f
 
 
@@ -137,9 +152,31 @@ def parts():
                                   median_s=t / STEPS, per_grid_step_s=t / STEPS / grid_steps)), flush=True)
 
 
+def prefix():
+    config = (tpu.Config().step_tokens, tpu.Config().step_channels, tpu.Config().step_states_from_frame)
+    for shape in SHAPES:
+        mixed_step, prefix_step = make_step(shape, "mixed", jnp.bfloat16), make_step(shape, "prefix", jnp.bfloat16)
+        variants = {"kernel, mixed step": (kernel(config), mixed_step),
+                    "kernel, prefix step's tokens, no block states": (kernel(config), prefix_step),
+                    "kernel, prefix step, block states": (kernel(config, shape.block), prefix_step),
+                    "causal_conv1d_step, prefix step": (ours(shape, "prefix"), prefix_step)}
+        fns, args = {}, {}
+        for name, (f, step) in variants.items():
+            for n in (STEPS, 2 * STEPS):
+                fns[name, n] = jax.jit(in_place(f, n)).lower(step).compile()
+                args[name, n] = [(step,)]
+        times = median_times(fns, args, 5 if INTERPRET else 10)
+        for name in variants:
+            per_step = (times[name, 2 * STEPS] - times[name, STEPS]) / STEPS
+            print(json.dumps(dict(shape=shape.name, chunk=shape.chunk, block=shape.block, variant=name,
+                                  median_s=per_step, call_s=times[name, STEPS] - STEPS * per_step)), flush=True)
+
+
 def main():
     if "--parts" in sys.argv:
         return parts()
+    if "--prefix" in sys.argv:
+        return prefix()
     for shape in SHAPES:
         step = make_step(shape, "mixed", jnp.bfloat16)
         roofline = ideal_bytes(shape, "mixed", jnp.bfloat16, step.pool.dtype) / 820e9
