@@ -256,6 +256,25 @@ def test_a_step_after_accepted_drafts_lowers_for_tpu_to_the_mixed_kernel(pool_dt
     assert "tf.aliasing_output = 1" in text
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_step_with_positions_lowers_for_tpu_to_the_mixed_kernel(pool_dtype):
+    """``causal_conv1d_step`` with ``positions`` (documents that start inside requests), by
+    default, lowered for a TPU: one Mosaic kernel, the mixed step's (each token's reach as
+    a second int32 column), aliasing the donated pool; the decode kernel is not in it."""
+    tokens, requests, dim = 200, 8, 2048
+    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, 3, dim), pool_dtype)
+    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    step = jax.jit(lambda x, pool, w, b, qsl, idx, positions: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, positions=positions, activation="silu"),
+        donate_argnums=1)
+    text = step.trace(x, pool, w, b, ints(requests + 1), ints(requests), ints(tokens)).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
+    assert f'kernel_name = "{MIXED_KERNEL}"' in text and DECODE_KERNEL not in text
+    assert "tf.aliasing_output = 1" in text
+
+
 _SERVING_GRADIENTS = {
     "update": lambda x, pool, w, b, qsl, idx, blocks: causal_conv1d_update(
         x[:8, None], pool, w, b, activation="silu", state_indices=idx)[0].sum(),
@@ -264,6 +283,9 @@ _SERVING_GRADIENTS = {
     "prefix step": lambda x, pool, w, b, qsl, idx, blocks: causal_conv1d_step(
         x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu", block_size=16,
         block_indices=blocks, num_computed_tokens=idx, write_indices=idx[::-1])[1].sum(),
+    "step with positions": lambda x, pool, w, b, qsl, idx, blocks: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu",
+        positions=jnp.arange(x.shape[0]) % 7)[0].sum(),
 }
 
 

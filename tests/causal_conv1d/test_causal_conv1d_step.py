@@ -269,6 +269,49 @@ def test_accepted_drafts_on_the_mixed_kernel_equal_the_composition():
     np.testing.assert_array_equal(np.asarray(new), np.asarray(rnew))
 
 
+@pytest.mark.parametrize("x_dtype, pool_dtype", [(F32, F32), (BF16, F32), (BF16, BF16)])
+def test_positions_on_the_mixed_kernel_equal_the_composition(x_dtype, pool_dtype):
+    """Documents starting inside requests (``positions``), over three 32-token tiles, the
+    TPU kernels named: the mixed step's kernel gives the composition's outputs within
+    rounding and its states bit for bit. Request 0 starts a document at its 13th token
+    (the NaN tokens before it reach nothing after); request 1 is a decode token at
+    position 0 (its NaN slot is not read); request 2 has two tokens, the second a start
+    (its state mixes zeros and that token); request 3 starts fresh; request 4 is a decode
+    token continuing its slot; request 5 starts one at its second-to-last token, in a tile
+    where no other state is written (its state, zeros before the start, is stored, not
+    copied from the frame); then a pad row and padding."""
+    lengths, first = [30, 1, 2, 4, 1, 30], [5, 0, 7, 0, 9, 3]
+    starts_at = {0: 12, 2: 1, 5: 28}  # a document start at this token of the request
+    positions, qsl = [], [0]
+    for r, (n, p) in enumerate(zip(lengths, first)):
+        pos = list(range(p, p + n))
+        if r in starts_at:
+            j = starts_at[r]
+            pos[j:] = range(n - j)
+        positions += pos
+        qsl.append(qsl[-1] + n)
+    tokens = 80
+    positions = np.array(positions + [0] * (tokens - len(positions)), np.int32)
+    x = np.array(random(0, (tokens, D)), np.float32)
+    x[qsl[-1]:] = np.nan  # padding
+    x[qsl[0]:qsl[0] + 12] = np.nan  # request 0's first document
+    pool = np.array(random(1, (8, 3, D)), np.float32)
+    pool[1] = np.nan  # request 1's slot: its token starts a document
+    kw = dict(query_start_loc=jnp.array(qsl + [qsl[-1]]), state_indices=jnp.array([0, 1, 2, 3, 4, 5, PAD_SLOT_ID]),
+              has_initial_state=jnp.array([True, True, True, False, True, True, True]),
+              positions=jnp.asarray(positions), activation="silu")
+    x, pool = jnp.asarray(x).astype(x_dtype), jnp.asarray(pool).astype(pool_dtype)
+    w, b = random(2, (4, D), scale=0.5), random(3, (D,))
+    y, new = causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL)
+    ry, rnew = causal_conv1d_step(x, pool, w, b, **kw, implementation="xla")
+    y, ry = np.asarray(y, np.float32), np.asarray(ry, np.float32)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ry))
+    assert np.isnan(y[:12]).all() and np.isfinite(y[12:qsl[-1]]).all()
+    assert_close(np.nan_to_num(y), np.nan_to_num(ry), x_dtype, 4, 4.0, operands=F32)
+    np.testing.assert_array_equal(_bits(np.asarray(new, np.float32)), _bits(np.asarray(rnew, np.float32)))
+    assert not np.asarray(new, np.float32)[2, :2].any() and not np.asarray(new, np.float32)[5, :1].any()
+
+
 def test_a_fresh_request_without_tokens_clears_its_slot_on_the_mixed_kernel():
     """No prefix caching nor ``write_indices``: a request without tokens that starts fresh
     writes zeros to its slot, as the composition does (the kernel once left the slot as it

@@ -79,10 +79,11 @@ def causal_conv1d_step(
     as :func:`~.update.causal_conv1d_update`'s decode kernel (the pool aliased in HBM, a DMA
     per slot; within rounding of the composition, not bit for bit); named with
     ``implementation="pallas_mosaic_tpu"`` it runs anywhere (``interpret=True``). On a TPU
-    (or named), any other step without a tree of drafts (``parents``) or ``positions``
-    runs as the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`: one launch, the pool
-    aliased, block states included, a slot's history after accepted drafts shifted in
-    VMEM; within rounding of the composition). A step whose accepted tokens are not a
+    (or named), any other step without a tree of drafts (``parents``), nor accepted drafts
+    with ``positions``, runs as the mixed step's kernel (:mod:`.pallas_mosaic_tpu.mixed`:
+    one launch, the pool aliased, block states included, a slot's history after accepted
+    drafts shifted in VMEM, inputs before a token's document selected to zero; within
+    rounding of the composition). A step whose accepted tokens are not a
     chain in some row (a tree's branch), or, with prefix caching or ``write_indices``,
     whose slot writes could race with its reads (a slot written twice, or written by one
     request and read by another), with a pad row that has a slot to write or a request
@@ -205,21 +206,27 @@ def causal_conv1d_step(
             new_pool = _write_blocks(new_pool, rows, x, m["qsl"], m["read"], size, *m["blocks"])
         return y, new_pool
 
-    # Without a tree of drafts or positions, on a TPU (or named): the decode kernel where
-    # each request has one token (without prefix caching or accepted drafts), the mixed
-    # step's kernel otherwise; checked at run time, with the composition where the kernels'
-    # DMAs would not give its pool or a row's accepted tokens are not a chain.
+    # Without a tree of drafts, on a TPU (or named): the decode kernel where each request
+    # has one token (without prefix caching, accepted drafts or positions), the mixed step's
+    # kernel otherwise (not with both accepted drafts and positions); checked at run time,
+    # with the composition where the kernels' DMAs would not give its pool or a row's
+    # accepted tokens are not a chain.
     mixed = decode = None
-    if tree is None and starts is None:
-        # The kernels' slot codes, and the slots of the block states this step crosses.
-        meta["codes"] = slot_codes(read, write, fresh_rows(started, read), slots)
+    if tree is None and (starts is None or path is None):
+        # The kernels' slot codes (a request whose first token starts a document reads no
+        # slot), and the slots of the block states this step crosses.
+        fresh = fresh_rows(started, read)
+        if starts is not None:
+            fresh = fresh | (jnp.take(starts, jnp.minimum(qsl[:-1], x.shape[0] - 1)) & (qsl[1:] > qsl[:-1]))
+        meta["codes"] = slot_codes(read, write, fresh, slots)
         crossed = None if blocks is None else _crossings(qsl, read, *blocks)[1]
         problem = problem_of(x[None], weight, bias, None, pool, activation=activation, dilation=dilation)
         if state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
             meta["shifts"] = None if path is None else _history_shifts(path, state_len, window)
             meta["cached"] = None if blocks is None else (crossed, blocks[2])
+            meta["limits"] = None if starts is None else _limits(starts, qsl, owner, within)
             mixed = _mixed_step(composed, size, problem, interpret)
-        if blocks is None and path is None and x.shape[0] == requests:
+        if blocks is None and path is None and starts is None and x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
             if one_launch(problem, implementation, interpret, state_len):
                 decode = _decode(problem, implementation, interpret)
@@ -297,15 +304,16 @@ def _mixed_step(composed, size, problem, interpret):
     step's traced metadata (:func:`causal_conv1d_step`'s), here with the rows' slot
     ``codes`` (:func:`~.update.slot_codes`), prefix caching's ``cached`` block states
     (crossed block states' slots ``(R, M)``, ``num_computed_tokens``) or ``None`` with
-    ``size`` (``K``), and the ``shifts`` of each slot's history's end before its last row
-    (:func:`_history_shifts`) or ``None``."""
+    ``size`` (``K``), the ``shifts`` of each slot's history's end before its last row
+    (:func:`_history_shifts`) or ``None``, and the ``limits`` of how far back each token
+    reads (:func:`_limits`) or ``None``."""
 
     @jax.custom_vjp
     def launch(x, pool, weight, bias, meta):
         blocks = None if meta["cached"] is None else (size, *meta["cached"])
         owner, within = meta["owner"].astype(jnp.int32), meta["within"].astype(jnp.int32)
         return tuple(tpu.step(x, pool, weight, bias, meta["qsl"], *meta["codes"], owner, within, problem=problem,
-                              interpret=interpret, blocks=blocks, shifts=meta["shifts"]))
+                              interpret=interpret, blocks=blocks, shifts=meta["shifts"], limits=meta["limits"]))
 
     def launch_fwd(*args):
         return launch(*args), args
@@ -345,6 +353,15 @@ def _documents(starts, qsl, owner) -> jax.Array:
     counted = jnp.cumsum(starts.astype(jnp.int32))
     before = jnp.concatenate([jnp.zeros((1,), jnp.int32), counted])[qsl[:-1]]  # (R,): starts before each request
     return counted - jnp.take(before, jnp.minimum(owner, qsl.shape[0] - 2))
+
+
+def _limits(starts, qsl, owner, within) -> jax.Array:
+    """``(T,)`` int32: how far back each token may read, with ``positions``: to its request's
+    last document start at or before it (``t`` minus that start's token), or ``2^30`` where
+    its request has none up to it (it reads its slot's inputs, the request's first document)."""
+    t = jnp.arange(starts.shape[0], dtype=jnp.int32)
+    last = lax.cummax(jnp.where(starts, t, -1), axis=0)  # the last start at or before each token, in any request
+    return jnp.where(last >= t - within, t - last, 1 << 30).astype(jnp.int32)
 
 
 def _from_last_start(state, starts, qsl, owner, within):

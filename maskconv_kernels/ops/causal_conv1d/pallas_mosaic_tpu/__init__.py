@@ -108,25 +108,28 @@ def update(x, pool, weight, bias, reads, writes, *, problem: Problem, config: Co
 
 
 def step(x, pool, weight, bias, qsl, reads, writes, owner, within, *, problem: Problem, config: Config | None = None,
-         interpret: bool = False, blocks=None, shifts=None):
+         interpret: bool = False, blocks=None, shifts=None, limits=None):
     """``(y (T, D), pool)`` from the mixed step's kernel: ``x (T, D)``, requests' tokens back
     to back as ``qsl (R + 1,)`` says; ``reads``, ``writes`` ``(R,)`` int32 codes (:mod:`.decode`'s);
     ``owner``, ``within`` ``(T,)`` int32, each token's request (``R`` for padding) and index
     in it; ``blocks``: prefix caching's ``(K, targets (R, M) int32 slots or -1, computed (R,)
     int32)`` or ``None`` (:func:`.mixed.state_events`); ``shifts (R,)`` int32 or ``None``:
     how many rows before a slot's last its history ends (speculative decoding, the rows
-    after it rejected drafts); the pool returned is the one given, aliased."""
+    after it rejected drafts); ``limits (T,)`` int32 or ``None``: how far back each token
+    may read, to its request's last document start (``positions``); the pool returned is
+    the one given, aliased."""
     from . import mixed
 
     config = config if config is not None else Config()
     tokens, dim = x.shape
     tile, channels = config.step_blocks(tokens, dim)
     s = mixed.MixedStatic(problem=problem, state_len=pool.shape[1], tile=tile, channels=channels,
-                          states_from_frame=config.step_states_from_frame, shifted=shifts is not None)
+                          states_from_frame=config.step_states_from_frame, shifted=shifts is not None,
+                          positioned=limits is not None)
     s = s.fitted(x.dtype.itemsize, pool.dtype.itemsize)
     b = bias.astype(jnp.float32)[None] if bias is not None else None
     return mixed.step(x, pool, weight.astype(jnp.float32), b, qsl, reads, writes, owner, within, s=s,
-                      interpret=bool(interpret), blocks=blocks, shifts=shifts)
+                      interpret=bool(interpret), blocks=blocks, shifts=shifts, limits=limits)
 
 
 def _rows(a, rows: int, fill=0):

@@ -130,9 +130,9 @@ def sigmoid(v):
 
 
 def pool_call(kernel, *, x, pool, prefetch: int, grid: tuple, tokens: pl.BlockSpec, channels: int, problem,
-              scratch: list, name: str, interpret: bool, ids: pl.BlockSpec | None = None):
+              scratch: list, name: str, interpret: bool, ids: list | None = None):
     """The ``pallas_call`` of a kernel over a pool of slots (the decode step's and the mixed
-    step's): ``prefetch`` scalar arrays, then an int32 column by ``ids`` (where given), x by
+    step's): ``prefetch`` scalar arrays, then an int32 column by each of ``ids`` (where given), x by
     ``tokens`` (a block of channel block ``c``, the grid's first axis), the weight ``[W,
     channels]`` and the bias ``[1, channels]`` (where the problem has one) of block ``c``,
     the pool left in HBM; results y like x and the pool, aliased to its operand. ``x``,
@@ -140,7 +140,7 @@ def pool_call(kernel, *, x, pool, prefetch: int, grid: tuple, tokens: pl.BlockSp
     grid order)."""
     shared = lambda height: pl.BlockSpec((height, channels), lambda c, *_: (0, c))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = ([ids] if ids is not None else []) + [tokens, shared(problem.width)]
+    in_specs = list(ids or []) + [tokens, shared(problem.width)]
     in_specs += ([shared(1)] if problem.has_bias else []) + [hbm]
     return pl.pallas_call(
         kernel,

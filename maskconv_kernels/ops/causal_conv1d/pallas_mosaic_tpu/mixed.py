@@ -47,7 +47,10 @@ prefill, makes no selection, as the forward kernel; bit 1: a state of fewer than
 tokens is written in it), and its states to write (``events[k]`` to ``events[k + 1]``);
 the states' rows, slots and kinds ``[E]`` (:func:`state_events`). Blocked like x: ``within
 [tiles * tile, 1]``, each token's index in its request, ``-1`` for padding and pad rows
-(zeros out). ``state_len >= (W - 1) * dilation``. The DMAs run in grid order, so a slot
+(zeros out); with ``positioned``, ``limit [tiles * tile, 1]`` too, how far back each
+token may read (to its request's last document start at or before it), inputs further
+back selected to zeros, in its outputs and in the state a request ending there leaves.
+``state_len >= (W - 1) * dilation``. The DMAs run in grid order, so a slot
 must not be written twice in a step, nor written by one request and read by another
 (``causal_conv1d_step`` takes XLA's composition for such a step). A request without
 tokens writes zeros where it starts fresh (``has_initial_state`` false), else nothing.
@@ -83,6 +86,7 @@ class MixedStatic:
     channels: int  # channels per grid step: D, or a multiple of 128 that divides it
     states_from_frame: bool = False  # Config.step_states_from_frame
     shifted: bool = False  # some slot's history ends before its last row (speculative decoding's shifts)
+    positioned: bool = False  # documents start inside requests: each token reads no further back than ``limit``
 
     @property
     def frame_states(self) -> bool:
@@ -187,12 +191,12 @@ def _shift_history(got32, p, shift):
 
 
 def _kernel(qsl_ref, reads_ref, shifts_ref, first_ref, busy_ref, events_ref, rows_ref, slots_ref, kinds_ref, within_ref,
-            x_ref, w_ref, *refs, s: MixedStatic, dim: int):
+            *refs, s: MixedStatic, dim: int):
     """One ``[tile, channels]`` block of the outputs, and the states whose last token lies
     in it.
 
-    Refs: the nine scalar arrays (SMEM); within ``[tile, 1]`` int32; x ``[tile,
-    channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
+    Refs: the nine scalar arrays (SMEM); within ``[tile, 1]`` int32 (and with
+    ``positioned``, limit likewise); x ``[tile, channels]``; w ``[W, channels]`` and bias ``[1, channels]`` float32; the pool in HBM
     ``[slots, S, D]``; y ``[tile, channels]``; the new pool (the same buffer); scratch: the
     slots read ``[tile, P, channels]`` (row ``p``: the slot of the request whose first
     token is row ``p``) in float32 and, for a 16-bit pool, in its dtype; the states to
@@ -202,6 +206,10 @@ def _kernel(qsl_ref, reads_ref, shifts_ref, first_ref, busy_ref, events_ref, row
     slots read are dead until the next tile: row 0 of them is the zeros a request without
     tokens that starts fresh writes.
     """
+    limit_ref = None
+    if s.positioned:
+        limit_ref, *refs = refs
+    x_ref, w_ref, *refs = refs
     if s.problem.has_bias:
         bias_ref, *refs = refs
     pool_in, y_ref, pool_out, got32, put32, frame, by_row, sem_in, sem_out, *packed = refs
@@ -265,6 +273,7 @@ def _kernel(qsl_ref, reads_ref, shifts_ref, first_ref, busy_ref, events_ref, row
     frame[h:] = x_ref[...].astype(jnp.float32)
     slot_row = lambda q: by_row.at[rows.index(q)]  # noqa: E731
     within = within_ref[...]
+    limit = None if limit_ref is None else limit_ref[...]
 
     # Whether every row's would-be state is stored (else the ending requests' come from the frame).
     every_state = (busy_ref[k] & 2) != 0
@@ -282,7 +291,8 @@ def _kernel(qsl_ref, reads_ref, shifts_ref, first_ref, busy_ref, events_ref, row
         slot (else every input is the frame's, and no selection is made)."""
         def inputs_back(back):  # each token's input ``back`` rows before it: its own or its slot's
             rows_back = frame[h - back:h - back + tile]
-            return _chosen(rows_back, slot_row, within, back, sl - back, h, tile) if select else rows_back
+            v = _chosen(rows_back, slot_row, within, back, sl - back, h, tile) if select else rows_back
+            return v if limit is None or back == 0 else jnp.where(limit >= back, v, 0.0)  # before its document: 0
 
         # A distance back serves a tap and, where ``back < S``, row ``S - 1 - back`` of the state.
         pre = jnp.zeros((tile, s.channels), jnp.float32)
@@ -352,7 +362,7 @@ def _kernel(qsl_ref, reads_ref, shifts_ref, first_ref, busy_ref, events_ref, row
 
 
 def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic, interpret: bool, blocks=None,
-         shifts=None):
+         shifts=None, limits=None):
     """``(y [T, D], pool)``: every token's output in x's dtype (zeros for padding and pad
     rows), and the pool with each request's new state written (the same buffer, aliased).
 
@@ -362,7 +372,8 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     in it; ``blocks``: prefix caching's ``(K, targets [R, M], computed [R])``, as
     :func:`state_events` takes them, or ``None``; ``shifts [R]`` int32 (with
     ``s.shifted``): how many rows before a slot's last its history ends (its first rows
-    zeros), or ``None``.
+    zeros), or ``None``; ``limits [T]`` int32 (with ``s.positioned``): how far back each
+    token may read (the module docstring), or ``None``.
     """
     tokens, requests = x.shape[0], reads.shape[0]
     tiles = cdiv(tokens, s.tile)
@@ -371,12 +382,17 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     edges = jnp.arange(tiles + 1, dtype=jnp.int32) * s.tile
     first = jnp.searchsorted(qsl[:-1], edges, side="left", method="compare_all")  # requests starting before each edge
     rows, slots, kinds, consumed = state_events(qsl, reads, writes, blocks, tiles * s.tile)
+    if limits is not None:  # a state with a document start among its last S inputs is stored, masked: not the frame's
+        consumed = jnp.where(jnp.take(limits, jnp.minimum(rows, tokens - 1)) < s.state_len - 1, 0, consumed)
     events = jnp.searchsorted(rows, edges, side="left", method="compare_all")  # states ending before each edge
     reach = max(s.problem.state_len, s.state_len - 1)  # tokens at least this far into a request read no slot
     busy = ((within >= 0) & (within < reach)).reshape(tiles, s.tile).any(axis=1).astype(jnp.int32)
     busy = busy | 2 * _short_states(rows, slots, kinds, consumed, s, tiles)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
-    operands = [within, x, w] + ([bias] if s.problem.has_bias else []) + [pool]
+    operands = [within]
+    if s.positioned:
+        operands.append(jnp.pad(limits.astype(jnp.int32), (0, tiles * s.tile - tokens))[:, None])
+    operands += [x, w] + ([bias] if s.problem.has_bias else []) + [pool]
     shifts = jnp.zeros_like(reads) if shifts is None else shifts.astype(jnp.int32)
     return call(qsl, reads, shifts, first.astype(jnp.int32), busy, events.astype(jnp.int32), rows, slots, kinds,
                 *operands)
@@ -441,7 +457,7 @@ def _call(s: MixedStatic, x_shape: tuple, x_dtype, pool_shape: tuple, pool_dtype
     return pool_call(
         functools.partial(_kernel, s=s, dim=dim),
         x=(x_shape, x_dtype), pool=(pool_shape, pool_dtype), prefetch=9, grid=grid, tokens=tile,
-        ids=pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0)),
+        ids=[pl.BlockSpec((s.tile, 1), lambda c, k, *_: (k, 0))] * (2 if s.positioned else 1),
         channels=s.channels, problem=s.problem, name=MIXED_KERNEL, interpret=interpret,
         scratch=[
             *slots32,
