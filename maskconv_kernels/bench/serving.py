@@ -9,7 +9,9 @@ tokens, width 4, SiLU, as hybrid models serve their short convolutions). Three k
 * ``mixed``: an eighth of the requests a new request's first prefill chunk of
   ``chunk`` tokens (its slot not read), the rest decode tokens (continuous batching);
 * ``prefix``: ``mixed`` with prefix caching on (the state after every ``block`` tokens
-  of a request written to a slot of its own), to set beside ``mixed`` (caching off).
+  of a request written to a slot of its own), to set beside ``mixed`` (caching off);
+* ``documents``: ``mixed`` with ``positions``, each prefill chunk two packed documents
+  (the second starting at its middle), the decode tokens continuing theirs.
 
 Timed in one process with samples interleaved (:mod:`.timing`), not donated (each
 timed call reuses its inputs; ``--steps-per-call N`` runs N steps a call in a loop that
@@ -23,9 +25,9 @@ the call's own cost, its dispatch and the pool's copy into the loop, given besid
   D)`` block, ``lax.conv_general_dilated`` depthwise with ``VALID`` padding, take the
   outputs back to the step's token order and scatter each request's last ``W - 1``
   inputs to its slot;
-* ``causal_conv1d_step, xla`` (``prefix``): the same step as XLA's composition (gather,
-  ``causal_conv1d`` over the step, scatter of states and block states), what TPUs ran for
-  prefix steps before the mixed step's kernel took block states.
+* ``causal_conv1d_step, xla`` (``prefix``, ``documents``): the same step as XLA's
+  composition (gather, ``causal_conv1d`` over the step, scatter of states and block
+  states), what TPUs ran for these steps before the mixed step's kernel took them.
 
 Beside each time, the memory roofline: the bytes the step must move (each request's
 window read and its state written, its tokens read and outputs written, each block state
@@ -56,9 +58,10 @@ from .sequence import roofline_bandwidth
 from .table import ms
 from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_grid, select, time_interleaved
 
-KINDS = ("decode", "mixed", "prefix")
+KINDS = ("decode", "mixed", "prefix", "documents")
+_COMPOSED_ONLY = ("prefix", "documents")  # no dense baseline is written for these: the composition instead
 OURS, BASELINE = "causal_conv1d_step", "gather+lax.conv+scatter"
-COMPOSED = "causal_conv1d_step, xla"  # prefix steps: XLA's composition (the TPUs' path before its kernel)
+COMPOSED = "causal_conv1d_step, xla"  # XLA's composition (the TPUs' path before the mixed kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +103,7 @@ PRESETS = {
 
 
 _STEP_FIELDS = ["x", "pool", "weight", "bias", "query_start_loc", "state_indices", "has_initial_state",
-                "block_indices", "num_computed_tokens"]
+                "block_indices", "num_computed_tokens", "positions"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_STEP_FIELDS, meta_fields=[])
@@ -117,6 +120,7 @@ class Step:
     has_initial_state: jax.Array  # prefill chunks start fresh: their slots are not read
     block_indices: jax.Array | None
     num_computed_tokens: jax.Array | None
+    positions: jax.Array | None = None  # the ``documents`` kind: each token's position in its document
 
 
 def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
@@ -139,14 +143,21 @@ def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
         p = shape.prefills(kind)
         blocks[:p] = free[: p * per_row].reshape(p, per_row)
         computed = np.where(lengths > 1, 0, 5).astype(np.int32)  # decode rows: 5 tokens in, no boundary at 6
+    positions = None
+    if kind == "documents":  # prefill chunks: two documents each, the second from the middle; decode: position 5
+        within = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], lengths)
+        half = np.repeat(lengths // 2, lengths)
+        positions = np.where(np.repeat(lengths, lengths) > 1, np.where(within >= half, within - half, within), 5)
     as_x = lambda a: jnp.asarray(a).astype(dtype)  # noqa: E731
     return Step(as_x(x), jnp.asarray(pool), jnp.asarray(weight), jnp.asarray(bias), jnp.asarray(qsl),
                 jnp.asarray(slots), jnp.asarray(lengths == 1), None if blocks is None else jnp.asarray(blocks),
-                None if computed is None else jnp.asarray(computed))
+                None if computed is None else jnp.asarray(computed),
+                None if positions is None else jnp.asarray(positions, jnp.int32))
 
 
 def ours(shape: StepShape, kind: str, implementation: str | None = None):
-    """``f(step) -> (y, pool)``: ``causal_conv1d_step`` (prefix caching in the ``prefix`` kind)."""
+    """``f(step) -> (y, pool)``: ``causal_conv1d_step`` (prefix caching in the ``prefix`` kind,
+    ``positions`` in the ``documents`` kind)."""
     caching = kind == "prefix"
 
     def f(s: Step):
@@ -154,7 +165,8 @@ def ours(shape: StepShape, kind: str, implementation: str | None = None):
             s.x, s.pool, s.weight, s.bias, query_start_loc=s.query_start_loc, state_indices=s.state_indices,
             has_initial_state=s.has_initial_state, activation="silu", block_size=shape.block if caching else None,
             block_indices=s.block_indices if caching else None,
-            num_computed_tokens=s.num_computed_tokens if caching else None, implementation=implementation,
+            num_computed_tokens=s.num_computed_tokens if caching else None, positions=s.positions,
+            implementation=implementation,
         )
 
     return f
@@ -236,9 +248,9 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
     dtype = DTYPES[dtype_name]
     step = make_step(shape, kind, dtype)
     found = {OURS: ours(shape, kind)}
-    if kind != "prefix":
+    if kind not in _COMPOSED_ONLY:
         found[BASELINE] = baseline(shape, kind)
-    else:  # no dense baseline is written for block states: the composition instead
+    else:
         found[COMPOSED] = ours(shape, kind, "xla")
     base = {"shape": shape.name, **dataclasses.asdict(shape), "kind": kind, "tokens": int(step.x.shape[0]),
             "dtype": dtype_name, "state_dtype": str(step.pool.dtype), "weight_dtype": "float32",
@@ -282,11 +294,11 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
             np.array_equal(np.asarray(y), np.asarray(y_nan))
             and np.array_equal(np.asarray(_written(step, pool)), np.asarray(_written(step, pool_nan)))
         )
-        if name != BASELINE and BASELINE in outputs:
-            y_ref, pool_ref = outputs[BASELINE]
-            rows[name]["max_abs_diff_vs_baseline"] = max(
-                differences(y, y_ref)["max_abs_diff"],
-                differences(_written(step, pool), _written(step, pool_ref))["max_abs_diff"])
+        for ref, key in ((BASELINE, "max_abs_diff_vs_baseline"), (COMPOSED, "max_abs_diff_vs_composition")):
+            if name not in (BASELINE, COMPOSED) and ref in outputs:
+                y_ref, pool_ref = outputs[ref]
+                rows[name][key] = max(differences(y, y_ref)["max_abs_diff"],
+                                      differences(_written(step, pool), _written(step, pool_ref))["max_abs_diff"])
     return list(rows.values())
 
 
@@ -302,8 +314,8 @@ def markdown(rows: list[dict]) -> str:
         f"Median ms (p20-p80) of one step{marginal}; roofline = the bytes the step must move / bandwidth (the fraction of it "
         f"achieved in brackets); vs baseline = {BASELINE}'s time over this row's; diff = the largest |difference| "
         "of outputs and written states from the baseline's; NaN-isolated = NaN in every slot the step does not read "
-        f"leaves every output and written state bit-identical. Prefix steps have no baseline; {COMPOSED} is XLA's "
-        "composition of the same step.",
+        f"leaves every output and written state bit-identical. Prefix and documents steps have no "
+        f"baseline; {COMPOSED} is XLA's composition of the same step, and their diff is from it.",
         "",
         "| shape | kind | tokens | dtype / state | implementation | median ms | p20-p80 ms | roofline ms (achieved) "
         "| vs baseline | peak MiB | diff | NaN-isolated |",
@@ -318,7 +330,7 @@ def markdown(rows: list[dict]) -> str:
             continue
         vs = r.get(f"vs_{BASELINE}")
         peak = "—" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**20:.0f}"
-        diff = r.get("max_abs_diff_vs_baseline")
+        diff = r.get("max_abs_diff_vs_baseline", r.get("max_abs_diff_vs_composition"))
         lines.append(
             f"| {r['shape']} | {r['kind']} | {r['tokens']} | {r['dtype']} / {r['state_dtype']} | {r['implementation']} "
             f"| {ms(r['median_s'])} | {ms(r['p20_s'])}-{ms(r['p80_s'])} | {ms(r['roofline_s'])} "

@@ -42,7 +42,8 @@ def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
     assert {(r["kind"], r["implementation"]) for r in rows} == {
         ("decode", serving.OURS), ("decode", serving.BASELINE), ("mixed", serving.OURS), ("mixed", serving.BASELINE),
-        ("prefix", serving.OURS), ("prefix", serving.COMPOSED)}
+        ("prefix", serving.OURS), ("prefix", serving.COMPOSED), ("documents", serving.OURS),
+        ("documents", serving.COMPOSED)}
     for r in rows:
         assert "error" not in r, r["error"]
         for key in ("device", "jax", "commit", "time_utc", "median_s", "roofline_s", "ideal_bytes", "state_dtype"):
@@ -52,8 +53,8 @@ def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
     # The baseline's lax.conv runs at the precision in force (bfloat16 passes on a TPU); a sum
     # of W products of standard normal inputs (max ~4) and weights (max ~2).
     bound = tolerance(np.float32, 4) * 8
-    assert all(r["max_abs_diff_vs_baseline"] < bound for r in rows if r["implementation"] == serving.OURS
-               and r["kind"] != "prefix")
+    assert all(r.get("max_abs_diff_vs_baseline", r.get("max_abs_diff_vs_composition")) < bound for r in rows
+               if r["implementation"] == serving.OURS)
     printed = capsys.readouterr().out
     assert "| R8_D16_W4 | prefix |" in printed
     # The committed format renders back through the command line, as this mode's.
@@ -106,3 +107,24 @@ def test_a_marginal_run_times_loops_of_n_and_2n_steps_and_gives_the_calls_own_co
         assert r["timing"] == "marginal"
         assert r["median_s"] == pytest.approx(1e-4) and r["call_s"] == pytest.approx(1e-3)
     assert {r["implementation"] for r in rows} == {serving.OURS, serving.BASELINE}
+
+
+def test_a_documents_step_packs_two_documents_in_each_prefill_chunk():
+    """The ``documents`` kind: positions restart at the middle of each prefill chunk (two
+    documents), decode tokens continue theirs; its outputs differ from the same step
+    without positions exactly at the second documents' tokens that would read the first's."""
+    _, (shape,) = serving.PRESETS["quick"]
+    step = serving.make_step(shape, "documents", np.float32)
+    qsl, positions = np.asarray(step.query_start_loc), np.asarray(step.positions)
+    lengths = np.diff(qsl)
+    for r, n in enumerate(lengths):
+        pos = positions[qsl[r]:qsl[r + 1]]
+        expected = [5] if n == 1 else list(range(n // 2)) + list(range(n - n // 2))
+        np.testing.assert_array_equal(pos, expected)
+    y, _ = jax.jit(serving.ours(shape, "documents", "xla"))(step)
+    plain, _ = jax.jit(serving.ours(shape, "mixed", "xla"))(dataclasses.replace(step, positions=None))
+    differs = np.any(np.asarray(y) != np.asarray(plain), axis=1)
+    within = np.arange(qsl[-1]) - np.repeat(qsl[:-1], lengths)
+    half = np.repeat(lengths // 2, lengths)
+    reads_first = (np.repeat(lengths, lengths) > 1) & (within >= half) & (within - half < shape.width - 1)
+    np.testing.assert_array_equal(differs, reads_first)
