@@ -236,39 +236,22 @@ def test_a_prefix_caching_step_lowers_for_tpu_to_the_mixed_kernel_and_its_refusa
 
 
 @pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_a_step_after_accepted_drafts_lowers_for_tpu_to_the_mixed_kernel(pool_dtype):
-    """``causal_conv1d_step`` with ``num_accepted_tokens`` (a slot of ``W - 1 + 2`` inputs),
-    by default, lowered for a TPU: one Mosaic kernel, the mixed step's (its slots' histories
-    shifted by a run-time sublane roll), aliasing the donated pool."""
-    from maskconv_kernels import causal_conv1d_step
-
+@pytest.mark.parametrize("given", ["num_accepted_tokens", "positions"])
+def test_a_step_after_accepted_drafts_or_with_positions_lowers_for_tpu_to_the_mixed_kernel(given, pool_dtype):
+    """``causal_conv1d_step`` by default, lowered for a TPU, with ``num_accepted_tokens`` (a
+    slot of ``W - 1 + 2`` inputs: the slots' histories shifted by a run-time sublane roll)
+    or with ``positions`` (documents that start inside requests: each token's reach as a
+    second int32 column): one Mosaic kernel, the mixed step's, aliasing the donated pool;
+    the decode kernel is not in it."""
     tokens, requests, dim = 200, 8, 2048
-    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, 5, dim), pool_dtype)
+    slot_len, length = (5, requests) if given == "num_accepted_tokens" else (3, tokens)
+    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, slot_len, dim), pool_dtype)
     w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
     ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    step = jax.jit(lambda x, pool, w, b, qsl, idx, accepted: causal_conv1d_step(
-        x, pool, w, b, query_start_loc=qsl, state_indices=idx, num_accepted_tokens=accepted, activation="silu"),
+    step = jax.jit(lambda x, pool, w, b, qsl, idx, values: causal_conv1d_step(
+        x, pool, w, b, query_start_loc=qsl, state_indices=idx, activation="silu", **{given: values}),
         donate_argnums=1)
-    text = step.trace(x, pool, w, b, ints(requests + 1), ints(requests), ints(requests)).lower(
-        lowering_platforms=("tpu",)).as_text()
-    assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
-    assert f'kernel_name = "{MIXED_KERNEL}"' in text
-    assert "tf.aliasing_output = 1" in text
-
-
-@pytest.mark.parametrize("pool_dtype", [jnp.float32, jnp.bfloat16])
-def test_a_step_with_positions_lowers_for_tpu_to_the_mixed_kernel(pool_dtype):
-    """``causal_conv1d_step`` with ``positions`` (documents that start inside requests), by
-    default, lowered for a TPU: one Mosaic kernel, the mixed step's (each token's reach as
-    a second int32 column), aliasing the donated pool; the decode kernel is not in it."""
-    tokens, requests, dim = 200, 8, 2048
-    x, pool = jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16), jax.ShapeDtypeStruct((64, 3, dim), pool_dtype)
-    w, b = jax.ShapeDtypeStruct((4, dim), jnp.float32), jax.ShapeDtypeStruct((dim,), jnp.float32)
-    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    step = jax.jit(lambda x, pool, w, b, qsl, idx, positions: causal_conv1d_step(
-        x, pool, w, b, query_start_loc=qsl, state_indices=idx, positions=positions, activation="silu"),
-        donate_argnums=1)
-    text = step.trace(x, pool, w, b, ints(requests + 1), ints(requests), ints(tokens)).lower(
+    text = step.trace(x, pool, w, b, ints(requests + 1), ints(requests), ints(length)).lower(
         lowering_platforms=("tpu",)).as_text()
     assert len(re.findall(r"stablehlo\.custom_call @tpu_custom_call\(", text)) == 1
     assert f'kernel_name = "{MIXED_KERNEL}"' in text and DECODE_KERNEL not in text
