@@ -276,10 +276,11 @@ def run_cell(shape: StepShape, dtype_name: str, kind: str, preset: Preset, meta:
     for name in rows:
         if name not in times:
             continue
-        ts = [t / steps_per_call for t in times[name]]
         if marginal:  # paired samples: the same sample of each loop
             ts = [(t2 - t1) / steps_per_call for t1, t2 in zip(times[name], times[name + DOUBLED])]
             rows[name]["call_s"] = statistics.median(times[name]) - steps_per_call * statistics.median(ts)
+        else:
+            ts = [t / steps_per_call for t in times[name]]
         rows[name].update(median_s=statistics.median(ts), p20_s=quantile(ts, 0.2), p80_s=quantile(ts, 0.8),
                           roofline_s=roofline, frac_roofline=roofline / statistics.median(ts))
     if BASELINE in times:

@@ -224,7 +224,7 @@ def causal_conv1d_step(
         if state_len > 0 and tpu_kernel_taken(problem, implementation, interpret):
             meta["shifts"] = None if path is None else _history_shifts(path, state_len, window)
             meta["cached"] = None if blocks is None else (crossed, blocks[2])
-            meta["limits"] = None if starts is None else _limits(starts, qsl, owner, within)
+            meta["limits"] = None if starts is None else _limits(starts, within)
             mixed = _mixed_step(composed, size, problem, interpret)
         if blocks is None and path is None and starts is None and x.shape[0] == requests:
             problem = problem_of(x[:, None], weight, bias, None, pool, activation=activation, dilation=dilation)
@@ -355,7 +355,7 @@ def _documents(starts, qsl, owner) -> jax.Array:
     return counted - jnp.take(before, jnp.minimum(owner, qsl.shape[0] - 2))
 
 
-def _limits(starts, qsl, owner, within) -> jax.Array:
+def _limits(starts, within) -> jax.Array:
     """``(T,)`` int32: how far back each token may read, with ``positions``: to its request's
     last document start at or before it (``t`` minus that start's token), or ``2^30`` where
     its request has none up to it (it reads its slot's inputs, the request's first document)."""

@@ -382,12 +382,10 @@ def step(x, pool, w, bias, qsl, reads, writes, owner, within, *, s: MixedStatic,
     edges = jnp.arange(tiles + 1, dtype=jnp.int32) * s.tile
     first = jnp.searchsorted(qsl[:-1], edges, side="left", method="compare_all")  # requests starting before each edge
     rows, slots, kinds, consumed = state_events(qsl, reads, writes, blocks, tiles * s.tile)
-    if limits is not None:  # a state with a document start among its last S inputs is stored, masked: not the frame's
-        consumed = jnp.where(jnp.take(limits, jnp.minimum(rows, tokens - 1)) < s.state_len - 1, 0, consumed)
     events = jnp.searchsorted(rows, edges, side="left", method="compare_all")  # states ending before each edge
     reach = max(s.problem.state_len, s.state_len - 1)  # tokens at least this far into a request read no slot
     busy = ((within >= 0) & (within < reach)).reshape(tiles, s.tile).any(axis=1).astype(jnp.int32)
-    busy = busy | 2 * _short_states(rows, slots, kinds, consumed, s, tiles)
+    busy = busy | 2 * _short_states(rows, slots, kinds, consumed, s, tiles, limits)
     call = _call(s, tuple(x.shape), jnp.dtype(x.dtype), tuple(pool.shape), jnp.dtype(pool.dtype), bool(interpret))
     operands = [within]
     if s.positioned:
@@ -437,12 +435,17 @@ def state_events(qsl, reads, writes, blocks, past: int):
             kinds.astype(jnp.int32), consumed.astype(jnp.int32))
 
 
-def _short_states(rows, slots, kinds, consumed, s: MixedStatic, tiles: int):
-    """``[tiles]`` int32: 1 where a state of fewer than ``S`` of its request's tokens is
-    sent (it mixes slot and tokens), or everywhere without ``frame_states``."""
+def _short_states(rows, slots, kinds, consumed, s: MixedStatic, tiles: int, limits=None):
+    """``[tiles]`` int32: 1 where a state is sent that the frame does not hold whole: one of
+    fewer than ``S`` of its request's tokens (it mixes slot and tokens) or, with ``limits
+    [T]``, one with a document start among its last ``S`` inputs (zeros before it); or
+    everywhere without ``frame_states``."""
     if not s.frame_states:
         return jnp.ones((tiles,), jnp.int32)
-    tile_of = jnp.where((slots >= 0) & (kinds == _SENT) & (consumed < s.state_len), rows // s.tile, tiles)
+    short = consumed < s.state_len
+    if limits is not None:
+        short |= jnp.take(limits, jnp.minimum(rows, limits.shape[0] - 1)) < s.state_len - 1
+    tile_of = jnp.where((slots >= 0) & (kinds == _SENT) & short, rows // s.tile, tiles)
     return jnp.zeros((tiles,), jnp.int32).at[tile_of].set(1, mode="drop")
 
 
