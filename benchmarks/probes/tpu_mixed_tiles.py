@@ -26,10 +26,12 @@ only their times are the finding.
 
 ``--prefix``: ``bench serving``'s ``prefix`` steps (the ``mixed`` steps' tokens, each
 prefill chunk's state after every 16 tokens written to a slot of its own) at the default
-``Config``: the kernel on the mixed step, the kernel on the prefix step's tokens without
-and with its block states, and ``causal_conv1d_step`` on the prefix step (the kernel
-behind its race check and run-time branch), each time a step the difference of loops of
-100 and 50 steps over 50 (the call's own cost left out).
+``Config``: the kernel on the mixed step and on the prefix step with its block states, and
+``causal_conv1d_step`` on the prefix step (the kernel behind its race check and run-time
+branch): as it is (the check's pairwise compares at these sizes), with the check's
+scatters (``PAIRWISE_PAIRS = 0``), and with the check replaced by a traced ``False`` (the
+branch alone); each time a step the difference of loops of 100 and 50 steps over 50 (the
+call's own cost left out).
 
 ``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
 tiles lie inside a long prefill, where no token reads its slot. ``--tile TxC``: the parts
@@ -48,6 +50,7 @@ from maskconv_kernels.bench.timing import median_times
 from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import mixed
 from maskconv_kernels.ops.causal_conv1d.checks import problem_of
+from maskconv_kernels.ops.causal_conv1d import step as step_module
 from maskconv_kernels.ops.causal_conv1d.step import _crossings, _owners
 from maskconv_kernels.ops.causal_conv1d.update import slot_codes
 
@@ -120,18 +123,23 @@ VARIANTS = {
 
 
 @contextlib.contextmanager
-def patched(names: dict):
-    """``mixed``'s functions replaced by ``names`` (and its built calls forgotten) while inside."""
-    saved = {name: getattr(mixed, name) for name in names}
+def patched(names: dict, module=mixed):
+    """``module``'s globals replaced by ``names`` (and ``mixed``'s built calls forgotten) while inside."""
+    saved = {name: getattr(module, name) for name in names}
     mixed._call.cache_clear()
     try:
         for name, fn in names.items():
-            setattr(mixed, name, fn)
+            setattr(module, name, fn)
         yield
     finally:
         for name, fn in saved.items():
-            setattr(mixed, name, fn)
+            setattr(module, name, fn)
         mixed._call.cache_clear()
+
+
+def _never_refused(qsl, *_, **__):
+    """The race check replaced by a traced ``False``: the run-time branch stays, its cost alone."""
+    return qsl[0] < 0
 
 
 def parts():
@@ -156,14 +164,18 @@ def prefix():
     config = (tpu.Config().step_tokens, tpu.Config().step_channels, tpu.Config().step_states_from_frame)
     for shape in SHAPES:
         mixed_step, prefix_step = make_step(shape, "mixed", jnp.bfloat16), make_step(shape, "prefix", jnp.bfloat16)
-        variants = {"kernel, mixed step": (kernel(config), mixed_step),
-                    "kernel, prefix step's tokens, no block states": (kernel(config), prefix_step),
-                    "kernel, prefix step, block states": (kernel(config, shape.block), prefix_step),
-                    "causal_conv1d_step, prefix step": (ours(shape, "prefix"), prefix_step)}
+        variants = {"kernel, mixed step": (kernel(config), mixed_step, {}),
+                    "kernel, prefix step, block states": (kernel(config, shape.block), prefix_step, {}),
+                    "causal_conv1d_step, prefix step": (ours(shape, "prefix"), prefix_step, {}),
+                    "causal_conv1d_step, prefix step, race check by scatters": (
+                        ours(shape, "prefix"), prefix_step, {"PAIRWISE_PAIRS": 0}),
+                    "causal_conv1d_step, prefix step, no race check": (
+                        ours(shape, "prefix"), prefix_step, {"_kernels_refuse": _never_refused})}
         fns, args = {}, {}
-        for name, (f, step) in variants.items():
+        for name, (f, step, names) in variants.items():
             for n in (STEPS, 2 * STEPS):
-                fns[name, n] = jax.jit(in_place(f, n)).lower(step).compile()
+                with patched(names, step_module):
+                    fns[name, n] = jax.jit(in_place(f, n)).lower(step).compile()
                 args[name, n] = [(step,)]
         times = median_times(fns, args, 5 if INTERPRET else 10)
         for name in variants:

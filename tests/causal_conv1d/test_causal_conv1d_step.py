@@ -10,6 +10,7 @@ multiply-adds differently), and its states, which are copies of its inputs, bit 
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -184,6 +185,27 @@ def _refused(kw, slots: int, path=None) -> bool:
     codes = slot_codes(read, write, fresh_rows(started, read), slots)
     return bool(_kernels_refuse(kw["query_start_loc"], read, codes, crossed, slots, path,
                                 separate="write_indices" in kw))
+
+
+def test_the_race_checks_two_ways_agree():
+    """The race check's pairwise compares (small steps) and its scatters (large ones) give
+    the same answer on random targets (``-1``: none; duplicates included) and slot codes
+    (negative ones included: pad rows, fresh rows, indices outside the pool)."""
+    from maskconv_kernels.ops.causal_conv1d.step import _races_counted, _races_pairwise
+
+    rng = np.random.default_rng(0)
+    draws, requests, per_row, slots = 400, 5, 3, 8
+    reads = np.stack([rng.permutation(slots)[:requests] for _ in range(draws)])  # a slot read once at most (checked)
+    reads = np.where(rng.random(reads.shape) < 0.3, rng.integers(-3, 0, size=reads.shape), reads)
+    target = rng.integers(0, slots, size=(draws, requests * per_row))
+    target = np.where(rng.random(target.shape) < 0.85, -1, target)
+    owner = rng.integers(0, requests, size=target.shape)
+    args = [jnp.asarray(a, jnp.int32) for a in (target, owner, reads)]
+    pairwise, counted = (np.asarray(jax.vmap(functools.partial(f, slots=slots))(*args))
+                         for f in (_races_pairwise, _races_counted))
+    np.testing.assert_array_equal(pairwise, counted)
+    answers = pairwise
+    assert 0.2 < np.mean(answers) < 0.8, "the draws exercise both answers"
 
 
 def test_prefix_caching_and_write_indices_on_the_mixed_kernel_equal_the_composition():

@@ -285,11 +285,37 @@ def _kernels_refuse(qsl, read, codes, crossed, slots: int, path=None, separate: 
         targets.append(crossed.reshape(-1))
         owners.append(jnp.repeat(jnp.arange(requests), crossed.shape[1]))
     target, owner = jnp.concatenate(targets), jnp.concatenate(owners)
+    races = _races_pairwise if target.shape[0] ** 2 <= PAIRWISE_PAIRS else _races_counted
+    return refused | races(target, owner, reads, slots)
+
+
+# Up to this many pairs of slot targets (``(R * (1 + M))^2``), the race check compares them
+# pairwise, a fused compare and reduction; beyond, it counts them in scatters over the
+# pool's slots (docs/design/tpu.md, The race check).
+PAIRWISE_PAIRS = 1 << 22
+
+
+def _races_pairwise(target, owner, reads, slots: int):
+    """Whether a slot is written twice (``target (n,)``, ``-1``: nothing written) or written
+    by one request (``owner (n,)``) and read by another (``reads (R,)``, the slot codes: a
+    slot where ``>= 0``), comparing every pair: ``n * (n + R)`` compares."""
+    del slots  # the targets are compared with each other, not counted per slot
+    n, requests = target.shape[0], reads.shape[0]
+    valid = (target >= 0)[:, None]
+    twice = valid & (target[:, None] == target[None, :]) & (jnp.arange(n)[:, None] < jnp.arange(n)[None, :])
+    other = valid & (target[:, None] == reads[None, :]) & (owner[:, None] != jnp.arange(requests)[None, :])
+    return jnp.any(twice) | jnp.any(other)
+
+
+def _races_counted(target, owner, reads, slots: int):
+    """:func:`_races_pairwise`'s answer by two scatters over the pool's ``slots`` (writes
+    counted, each slot's reader) and a gather: ``n + R`` updates."""
     index = jnp.where(target >= 0, target, slots)
     written = jnp.zeros((slots + 1,), jnp.int32).at[index].add(1)
-    reader = jnp.full((slots + 1,), -1, jnp.int32).at[jnp.where(reads >= 0, reads, slots)].set(jnp.arange(requests))
+    reader = jnp.full((slots + 1,), -1, jnp.int32).at[jnp.where(reads >= 0, reads, slots)].set(
+        jnp.arange(reads.shape[0]))
     other = (target >= 0) & (reader[index] >= 0) & (reader[index] != owner)
-    return refused | jnp.any(written[:slots] > 1) | jnp.any(other)
+    return jnp.any(written[:slots] > 1) | jnp.any(other)
 
 
 def _history_shifts(path, state_len: int, window: int):
