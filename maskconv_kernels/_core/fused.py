@@ -30,7 +30,8 @@ takes the first implementation of the platform's preference that runs the proble
 so one ``jax.export`` for ``("cpu", "cuda")`` holds a path for each; a named
 implementation that cannot be lowered for a platform raises ``NotImplementedError``
 there. On several devices a kernel implementation's forward and backward are split
-along the batch (the per-example operands; the shared operands' cotangents summed). A
+along the batch (the per-example operands; the shared operands' cotangents summed), and
+a depthwise op's (``channels``) along the channels too. A
 backend module supplies, besides
 ``Config`` and ``unsupported`` (:mod:`.registry`),
 
@@ -91,11 +92,19 @@ class FusedOp:
       data: operands with no tangent (integers: segment ids).
       shared: operands not per example (weights, bias): a ``vmap`` over them maps the
         primitive; a ``vmap`` over the others alone folds into the batch.
+      channels: for a depthwise op, each operand's channel axis by name (``"y"``: the
+        output's; an operand without channels absent), so that on several devices its
+        kernels also split along the channels XLA chose to shard
+        (:func:`.partitioning.custom_partitioned`); ``None``: along the batch only.
+      local: with ``channels``, ``local(problem, operands) -> problem``: the problem of one
+        device's slice (the kernels' static parameters follow its shapes).
     """
 
-    def __init__(self, name: str, registry: Registry, reference: Callable, *, data=(), shared=()):
+    def __init__(self, name: str, registry: Registry, reference: Callable, *, data=(), shared=(), channels=None,
+                 local=None):
         self.name, self.registry, self.reference = name, registry, reference
         self.data, self.shared = frozenset(data), frozenset(shared)
+        self.channels, self.local = channels, local
         self.kernels = prims.Kernels(registry)
         # The kernels' two primitives in their two flavours (prims.Kernels); the tangent is
         # the reference's, XLA operations, which XLA partitions itself.
@@ -137,21 +146,29 @@ class FusedOp:
     def _kernel_rule(self, prim, platform: str, *, call: Call):
         backend = self.kernels.implementation(platform, call)
         module = backend.load()
-        static = dict(problem=call.problem, config=call.config, interpret=call.interpret)
         forward = prim in self._fwd
         per_example = self._per_example(call.names)
 
         def run(*operands):
+            named = self._named(call, operands if forward else operands[:-1])
+            # On one device's slice of a split (the channels), the slice's problem.
+            problem = call.problem if self.local is None else self.local(call.problem, named)
+            static = dict(problem=problem, config=call.config, interpret=call.interpret)
             if forward:
-                return [module.forward(self._named(call, operands), **static)]
-            return list(module.backward(self._named(call, operands[:-1]), operands[-1], **static))
+                return [module.forward(named, **static)]
+            return list(module.backward(named, operands[-1], **static))
 
         # Batch-partitioned on several devices: the per-example operands (and dy) are split,
-        # the cotangents of shared operands (weights, bias) summed across devices.
+        # the cotangents of shared operands (weights, bias) summed across devices; a
+        # depthwise op's channels stay split where XLA split them.
         batched_in = per_example if forward else (*per_example, True)
         batched_out = (True,) if forward else self._per_example(self._diff(call))
+        channels_in = channels_out = None
+        if self.channels is not None:
+            channels_in = [self.channels.get(n) for n in (call.names if forward else (*call.names, "y"))]
+            channels_out = [self.channels.get(n) for n in (("y",) if forward else self._diff(call))]
         return self.kernels.rule(prim, backend, call, run, multiple_results=True, batched_in=batched_in,
-                                 batched_out=batched_out)
+                                 batched_out=batched_out, channels_in=channels_in, channels_out=channels_out)
 
     def _tangent_rule(self, platform: str, *, call: Call):
         n = len(call.names)

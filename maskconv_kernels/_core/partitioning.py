@@ -26,15 +26,20 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 __all__ = ["custom_partitioned"]
 
 
-def custom_partitioned(fn, batched_in, batched_out, args):
-    """``fn(*args)``, partitioned by XLA along the batch like a native op.
+def custom_partitioned(fn, batched_in, batched_out, args, channels_in=None, channels_out=None):
+    """``fn(*args)``, partitioned by XLA along the batch (and the channels) like a native op.
 
     ``fn(*arrays) -> tuple of arrays`` must be *per-example*: each argument is either
     batched (leading axis ``N``, example ``i`` only affects example ``i``) or replicated
     (the kernel), and each output is either batched or a sum over the examples (a kernel
     gradient). Then running ``fn`` on each device's slice of the batch and summing the
     non-batched outputs across devices (``psum``) gives ``fn``'s result; that is the
-    partitioning rule given to XLA.
+    partitioning rule given to XLA. With ``channels_in`` / ``channels_out`` (for each
+    argument / output, the axis of its channels, or ``None``), ``fn`` is also
+    *per-channel* (a depthwise op: channel ``c`` of every output reads channel ``c`` of
+    the arguments only, and every output has channels), so each device may also run its
+    slice of the channels: where XLA chose to split them (tensor parallelism), they stay
+    split, and ``fn`` sees its local channel count.
 
     Why ``custom_partitioning`` and not ``shard_map``: a ``shard_map`` needs the mesh and the
     batch's mesh axes when the function is traced, and inside ``jax.jit`` with ``NamedSharding``
@@ -53,58 +58,88 @@ def custom_partitioned(fn, batched_in, batched_out, args):
       batched_out: for each output, whether it has the batch as its leading axis (else it
         is a sum over examples).
       args: the arrays.
+      channels_in, channels_out: ``None`` (not per-channel), or for each argument / output
+        the axis of its channels or ``None`` (it has none: segment ids).
     """
     out_shapes = jax.eval_shape(fn, *args)
     if any(a.ndim == 0 for a in args) or any(o.ndim == 0 for o in out_shapes):
         raise ValueError("batch_partitioned takes and returns arrays of rank >= 1")
-    # Shardy's rule: one factor "n" for the batch, shared by the batched arrays; every
-    # other dimension is its own factor that must stay replicated (a kernel backend reads
-    # whole images and whole kernels). A sharded height is gathered here, not split: for
-    # that, see spatially_sharded_masked_conv.
+    channels_in = [None] * len(args) if channels_in is None else [_axis(c, a.ndim) for c, a in zip(channels_in, args)]
+    channels_out = [None] * len(out_shapes) if channels_out is None else [
+        _axis(c, o.ndim) for c, o in zip(channels_out, out_shapes)]
+    # Shardy's rule: one factor "n" for the batch and one "c" for the channels, each shared
+    # by the arrays that have it; every other dimension is its own factor that must stay
+    # replicated (a kernel backend reads whole sequences and images). A sharded height is
+    # gathered here, not split: for that, see spatially_sharded_masked_conv.
     factors, names = [], (f"d{i}" for i in itertools.count())
 
-    def dims(shape, batched):
-        own = [next(names) for _ in (shape[1:] if batched else shape)]
-        factors.extend(own)
-        return " ".join((["n"] if batched else []) + own)
+    def dims(shape, batched, channel):
+        out = []
+        for axis in range(len(shape)):
+            if batched and axis == 0:
+                out.append("n")
+            elif axis == channel:
+                out.append("c")
+            else:
+                out.append(next(names))
+                factors.append(out[-1])
+        return " ".join(out)
 
-    operands = ", ".join(dims(a.shape, b) for a, b in zip(args, batched_in))
-    results = ", ".join(dims(o.shape, b) for o, b in zip(out_shapes, batched_out))
+    operands = ", ".join(dims(a.shape, b, c) for a, b, c in zip(args, batched_in, channels_in))
+    results = ", ".join(dims(o.shape, b, c) for o, b, c in zip(out_shapes, batched_out, channels_out))
 
-    def axes_of(mesh, arg_shapes):
-        """The mesh axes that shard the batch of the first batched argument (or ())."""
-        for shape, batched in zip(arg_shapes, batched_in):
-            if not batched:
+    def split_axes(mesh, arg_shapes, which):
+        """The mesh axes that split the first argument with a batch (``which = None``) or with
+        channels (else), or () where none does or they do not divide its size."""
+        for shape, batched, channel in zip(arg_shapes, batched_in, channels_in):
+            axis = (0 if batched else None) if which is None else channel
+            if axis is None:
                 continue
             sharding = shape.sharding
-            if not isinstance(sharding, NamedSharding) or not sharding.spec:
+            if not isinstance(sharding, NamedSharding) or len(sharding.spec) <= axis:
                 return ()
-            first = sharding.spec[0]
-            axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-            # An uneven split would need padding examples through the kernel: replicate.
-            if shape.shape[0] % math.prod(mesh.shape[a] for a in axes):
+            entry = sharding.spec[axis]
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            # An uneven split would need padding through the kernel: replicate.
+            if shape.shape[axis] % math.prod(mesh.shape[a] for a in axes):
                 return ()
             return axes
         return ()
 
-    def shardings(mesh, axes, flags):
-        batch = P(axes if axes else None)
-        return tuple(NamedSharding(mesh, batch if b else P()) for b in flags)
+    def shardings(mesh, batch, channels, batched, channel_axes):
+        specs = []
+        for b, c in zip(batched, channel_axes):
+            ndim = max(1 if b else 0, 0 if c is None else c + 1)
+            spec = [None] * ndim
+            if b and batch:
+                spec[0] = batch
+            if c is not None and channels:
+                spec[c] = channels
+            specs.append(NamedSharding(mesh, P(*spec)))
+        return tuple(specs)
+
+    def chosen(mesh, arg_shapes):
+        batch = split_axes(mesh, arg_shapes, None)
+        channels = split_axes(mesh, arg_shapes, "c")
+        if set(batch) & set(channels):
+            channels = ()
+        return batch, channels
 
     def infer(mesh, arg_shapes, result_shape):
-        return shardings(mesh, axes_of(mesh, arg_shapes), batched_out)
+        return shardings(mesh, *chosen(mesh, arg_shapes), batched_out, channels_out)
 
     def partition(mesh, arg_shapes, result_shape):
-        axes = axes_of(mesh, arg_shapes)
+        batch, channels = chosen(mesh, arg_shapes)
 
         def lower(*local_args):
             outs = fn(*local_args)
-            if not axes:
+            if not batch:
                 return tuple(outs)
             # Each device summed its own examples; the kernel gradient is the sum of those.
-            return tuple(o if b else lax.psum(o, axes) for o, b in zip(outs, batched_out))
+            return tuple(o if b else lax.psum(o, batch) for o, b in zip(outs, batched_out))
 
-        return mesh, lower, shardings(mesh, axes, batched_out), shardings(mesh, axes, batched_in)
+        return (mesh, lower, shardings(mesh, batch, channels, batched_out, channels_out),
+                shardings(mesh, batch, channels, batched_in, channels_in))
 
     call = custom_partitioning(lambda *a: tuple(fn(*a)))
     call.def_partition(
@@ -114,3 +149,7 @@ def custom_partitioned(fn, batched_in, batched_out, args):
         need_replication_factors=tuple(factors),
     )
     return tuple(call(*args))
+
+
+def _axis(axis, ndim: int):
+    return None if axis is None else axis % ndim

@@ -197,12 +197,14 @@ def several_devices(ctx) -> bool:
 
 
 def batch_partitioned(fn: Callable, batched_in: Sequence[bool], batched_out: Sequence[bool],
-                      multiple_results: bool = False) -> Callable:
-    """``fn`` split by XLA along the batch of its ``batched_in`` operands (:mod:`.partitioning`);
+                      multiple_results: bool = False, channels_in=None, channels_out=None) -> Callable:
+    """``fn`` split by XLA along the batch of its ``batched_in`` operands, and along the
+    channels where ``channels_in`` / ``channels_out`` name their axes (:mod:`.partitioning`);
     its results as ``fn`` gives them (a list where ``multiple_results``)."""
 
     def run(*operands):
-        outs = partitioning.custom_partitioned(lambda *ops: tuple(_results(fn(*ops))), batched_in, batched_out, operands)
+        outs = partitioning.custom_partitioned(lambda *ops: tuple(_results(fn(*ops))), batched_in, batched_out, operands,
+                                               channels_in, channels_out)
         return list(outs) if multiple_results else outs[0]
 
     return run
@@ -315,11 +317,13 @@ class Kernels:
         return backend
 
     def rule(self, prim: Primitive, backend, call: Call, fn: Callable, *, multiple_results: bool,
-             batched_in: Sequence[bool], batched_out: Sequence[bool]) -> Callable:
+             batched_in: Sequence[bool], batched_out: Sequence[bool], channels_in=None, channels_out=None) -> Callable:
         """The lowering rule of ``backend``'s kernel ``fn(*operands)`` for ``prim``.
 
         ``batched_in`` / ``batched_out``: for each operand / result, whether its leading
-        axis is the batch (else replicated, or for a result a sum over the examples). The
+        axis is the batch (else replicated, or for a result a sum over the examples);
+        ``channels_in`` / ``channels_out``: ``None``, or for a depthwise kernel each one's
+        channel axis or ``None`` (:func:`.partitioning.custom_partitioned`). The
         partitioned flavour of a ``BATCH`` record's kernel is split along them where the
         module is lowered for several devices; an interpreter made of host callbacks is
         not (host code gains nothing, and a callback inside ``custom_partitioning``
@@ -327,6 +331,6 @@ class Kernels:
         """
         partitioned = None
         if prim is self._flavours[prim][0] and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
-            partitioned = batch_partitioned(fn, batched_in, batched_out, multiple_results)
+            partitioned = batch_partitioned(fn, batched_in, batched_out, multiple_results, channels_in, channels_out)
         return kernel_rule(fn, multiple_results=multiple_results, lowering_warnings=backend.lowering_warnings,
                            partitioned=partitioned)

@@ -12,6 +12,8 @@ changes no other's output.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -24,9 +26,20 @@ from .state import final_state
 
 __all__ = ["causal_conv1d", "IMPLEMENTATIONS", "PREFERENCE"]
 
+
+
+def _local(problem, operands: dict):
+    """The problem of one device's slice of the rows and channels (``operands``: its arrays)."""
+    x = operands["x"]
+    return dataclasses.replace(problem, batch=x.shape[0], dim=x.shape[-1])
+
+
 # The op's primitives: causal_conv1d_fwd, _tangent and _bwd, each lowered by the
-# implementation chosen for the platform; derivatives above the first are xla's.
-PRIMITIVES = FusedOp("causal_conv1d", REGISTRY, xla.reference, data=("ids",), shared=("w", "bias"))
+# implementation chosen for the platform; derivatives above the first are xla's. Depthwise:
+# on several devices the kernels split along the rows and along the channels (tensor
+# parallelism) where XLA split them.
+PRIMITIVES = FusedOp("causal_conv1d", REGISTRY, xla.reference, data=("ids",), shared=("w", "bias"),
+                     channels={"x": -1, "w": -1, "bias": -1, "state": -1, "y": -1}, local=_local)
 
 
 def causal_conv1d(
