@@ -295,9 +295,13 @@ class Kernels:
         self._flavours[plain] = self._flavours[split] = (split, plain)
         return split, plain
 
+    def flavours(self, prim: Primitive) -> tuple[Primitive, Primitive]:
+        """``(partitioned, ahead_of_time)``: the two flavours of ``prim`` (either of them)."""
+        return self._flavours[prim]
+
     def flavour(self, prim: Primitive) -> Primitive:
         """The flavour of ``prim`` to bind now."""
-        split, plain = self._flavours[prim]
+        split, plain = self.flavours(prim)
         return plain if getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None) is not None else split
 
     def effects(self, call: Call) -> frozenset:
@@ -330,7 +334,7 @@ class Kernels:
         segfaults on several CPU devices, jax 0.10.2 and 0.12.0).
         """
         partitioned = None
-        if prim is self._flavours[prim][0] and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
+        if prim is self.flavours(prim)[0] and backend.spmd == BATCH and not (call.interpret and backend.interpreter):
             partitioned = batch_partitioned(fn, batched_in, batched_out, multiple_results, channels_in, channels_out)
         return kernel_rule(fn, multiple_results=multiple_results, lowering_warnings=backend.lowering_warnings,
                            partitioned=partitioned)

@@ -371,3 +371,56 @@ def test_causal_conv1d_stays_channel_sharded_and_matches_one_device(implementati
         assert "all-gather" not in text, f"{implementation}: the compiled program gathers:\n{text}"
         assert not re.search(rf"f32\[\d+,\d+,{SHORT_DIM}\]", text), f"{implementation}: a device holds every channel"
     assert "all-reduce" in gradients.as_text()
+
+
+def _serving_args(kind: str):
+    """A step's arguments: ``mixed`` (a 5-token chunk, two decode rows, a fresh 5-token
+    chunk, then padding), ``written`` (the same, the fresh chunk's state written to another
+    slot: the step checks for races, with the composition as its other branch), ``decode``
+    (a token for each of 4 rows: the decode kernel, the mixed one as its other branch)."""
+    x = random(30, (4 if kind == "decode" else 16, SHORT_DIM))
+    pool, w, b = random(31, (8, 3, SHORT_DIM)), random(32, (4, SHORT_DIM), scale=0.5), random(33, (SHORT_DIM,))
+    if kind == "decode":
+        return x, pool, w, b, dict(query_start_loc=jnp.arange(5), state_indices=jnp.array([2, 0, 7, 4]))
+    kw = dict(query_start_loc=jnp.array([0, 5, 6, 7, 12]), state_indices=jnp.array([0, 3, 1, 5]),
+              has_initial_state=jnp.array([True, True, True, False]))
+    if kind == "written":
+        kw["write_indices"] = jnp.array([0, 3, 1, 6])
+    return x, pool, w, b, kw
+
+
+@needs_mesh
+# How many calls the lowered step hands to XLA's partitioner with their rule: its kernels
+# (and with races to check, the composition's causal_conv1d forward).
+@pytest.mark.parametrize("kind, partitioned", [("mixed", 1), ("written", 2), ("decode", 2)])
+def test_serving_steps_stay_channel_sharded_and_match_one_device(kind, partitioned):
+    """Tensor-parallel serving: with the channels of the tokens, the pool, the weight and the
+    bias split over a model axis, ``causal_conv1d_step``'s kernels (the mixed step's, the
+    decode step's; Mosaic TPU, interpreted) run on each device's channels, the step's
+    metadata replicated: outputs and pool stay split, nothing is gathered, and they equal
+    one device's composition (the pool bit for bit)."""
+    mesh = _mesh((N_DEVICES,), ("model",), AxisType.Auto)
+    x, pool, w, b, kw = _serving_args(kind)
+
+    def step(x, pool, w, b, implementation="pallas_mosaic_tpu", interpret=True):
+        return mk.causal_conv1d_step(x, pool, w, b, **kw, activation="silu", implementation=implementation,
+                                     interpret=interpret)
+
+    tokens, slots = NamedSharding(mesh, P(None, "model")), NamedSharding(mesh, P(None, None, "model"))
+    args = (jax.device_put(x, tokens), jax.device_put(pool, slots), jax.device_put(w, tokens),
+            jax.device_put(b, NamedSharding(mesh, P("model"))))
+    lowered = jax.jit(step, donate_argnums=1).lower(*args)
+    # The kernel is handed to XLA's partitioner with its rule (interpreted, it is XLA's own
+    # loops, which XLA could split itself here; compiled, a custom call it could not).
+    assert lowered.as_text().count("@CustomSPMDPartitioning") == partitioned
+    compiled = lowered.compile()
+    y, new = compiled(*args)
+    assert y.sharding.is_equivalent_to(tokens, 2), y.sharding
+    assert new.sharding.is_equivalent_to(slots, 3), new.sharding
+    text = compiled.as_text()
+    assert "all-gather" not in text, f"{kind}: the compiled program gathers:\n{text}"
+    assert not re.search(rf"f32\[\d+,{SHORT_DIM}\]|f32\[8,3,{SHORT_DIM}\]", text), f"{kind}: a device holds every channel"
+
+    y1, new1 = jax.jit(functools.partial(step, implementation="xla", interpret=False))(x, pool, w, b)
+    assert_close(y, y1, np.float32, reduction=4, scale=float(abs(x).max() * abs(w).max()) + 1.0)
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(new1))

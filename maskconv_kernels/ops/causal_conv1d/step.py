@@ -14,6 +14,9 @@ instead: its parent chain, then its slot.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,13 +25,14 @@ from jax import lax
 from ..._core.args import as_operand, as_segment_ids
 from ..._core.errors import OpError
 from ..._core.history import check_dtype
+from ..._core.primitives import bind, def_abstract_eval, def_batching, register_lowering
 from .api import causal_conv1d
 from .checks import check_activation, check_operands, problem_of
 from . import pallas_mosaic_tpu as tpu
 from .pallas_mosaic_tpu.config import ZEROS
 from .update import (
-    PAD_SLOT_ID, check_row_values, check_state_indices, decode_launch, fresh_rows, one_launch, read_slots, slot_codes,
-    tpu_kernel_taken, write_slots,
+    PAD_SLOT_ID, SERVING, check_row_values, check_state_indices, decode_launch, fresh_rows, one_launch, read_slots,
+    serving_rule, slot_codes, tpu_kernel_taken, write_slots,
 )
 
 __all__ = ["causal_conv1d_step"]
@@ -336,10 +340,13 @@ def _mixed_step(composed, size, problem, interpret):
 
     @jax.custom_vjp
     def launch(x, pool, weight, bias, meta):
-        blocks = None if meta["cached"] is None else (size, *meta["cached"])
         owner, within = meta["owner"].astype(jnp.int32), meta["within"].astype(jnp.int32)
-        return tuple(tpu.step(x, pool, weight, bias, meta["qsl"], *meta["codes"], owner, within, problem=problem,
-                              interpret=interpret, blocks=blocks, shifts=meta["shifts"], limits=meta["limits"]))
+        optional = [*(meta["cached"] or ()), *(a for a in (meta["shifts"], meta["limits"]) if a is not None)]
+        operands = (x, pool, weight, *(() if bias is None else (bias,)), meta["qsl"], *meta["codes"], owner, within,
+                    *optional)
+        return tuple(bind(SERVING.flavour(MIXED), *operands, problem=problem, interpret=bool(interpret),
+                          size=None if meta["cached"] is None else size, shifted=meta["shifts"] is not None,
+                          positioned=meta["limits"] is not None))
 
     def launch_fwd(*args):
         return launch(*args), args
@@ -350,6 +357,37 @@ def _mixed_step(composed, size, problem, interpret):
 
     launch.defvjp(launch_fwd, launch_bwd)
     return launch
+
+
+def _mixed_rule(prim, platform: str, *, problem, interpret: bool, size, shifted: bool, positioned: bool):
+    """:data:`MIXED`'s lowering (every platform: the primitive is bound only where the
+    kernel runs): the mixed step's kernel on the channels it is given (one device's, where
+    they are split)."""
+    del platform
+
+    def fn(x, pool, weight, *rest):
+        rest = list(rest)
+        bias = rest.pop(0) if problem.has_bias else None
+        qsl, reads, writes, owner, within = (rest.pop(0) for _ in range(5))
+        blocks = (size, rest.pop(0), rest.pop(0)) if size is not None else None
+        shifts = rest.pop(0) if shifted else None
+        limits = rest.pop(0) if positioned else None
+        local = dataclasses.replace(problem, dim=x.shape[-1])
+        return list(tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=local,
+                             interpret=interpret, blocks=blocks, shifts=shifts, limits=limits))
+
+    operands = 3 + problem.has_bias + 5 + 2 * (size is not None) + shifted + positioned
+    return serving_rule(prim, fn, operands, problem.has_bias)
+
+
+# The mixed step's kernel: operands (x, pool, weight, [bias,] qsl, reads, writes, owner,
+# within, [crossed, computed,] [shifts,] [limits]), results (y, pool); params problem,
+# interpret, size (K with prefix caching's block states, else None), shifted, positioned.
+MIXED, _MIXED_AHEAD = SERVING.primitives("causal_conv1d_mixed_step", multiple_results=True)
+for _prim in (MIXED, _MIXED_AHEAD):
+    def_abstract_eval(_prim, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
+    register_lowering(_prim, functools.partial(_mixed_rule, _prim))
+    def_batching(_prim, lambda n, **params: [False] * n, foldable=False)
 
 
 def _decode(problem, implementation, interpret):

@@ -8,6 +8,10 @@ or on a TPU one decode kernel (:mod:`.pallas_mosaic_tpu.decode`).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +21,9 @@ from .backends import REGISTRY
 from ..._core.args import as_operand
 from ..._core.errors import OpError
 from ..._core.history import History, Ring, check_dtype
-from ..._core.primitives import bind, def_abstract_eval, def_batching, kernel_rule, primitive, register_lowering
+from ..._core.primitives import (
+    Kernels, batch_partitioned, bind, def_abstract_eval, def_batching, kernel_rule, register_lowering,
+)
 from .checks import check_activation, check_operands, ids_of, problem_of, unread_before_a_start
 from . import pallas_mosaic_tpu as tpu
 from .pallas_mosaic_tpu.config import NAN, PAD, ZEROS
@@ -25,7 +31,7 @@ from .state import final_state
 
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
-    "zero_padding_rows", "one_launch", "tpu_kernel_taken", "decode_launch", "DECODE",
+    "zero_padding_rows", "one_launch", "tpu_kernel_taken", "decode_launch", "DECODE", "SERVING", "serving_rule",
 ]
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
@@ -229,7 +235,7 @@ def decode_launch(x, pool, weight, bias, reads, writes, has_initial_state, *, pr
     @jax.custom_vjp
     def launch(x, pool, weight, bias, slots):
         operands = (x, pool, weight) + (() if bias is None else (bias,)) + slots
-        return tuple(bind(DECODE, *operands, **params))
+        return tuple(bind(SERVING.flavour(DECODE), *operands, **params))
 
     def launch_fwd(*args):
         return launch(*args), args
@@ -271,29 +277,47 @@ def slot_codes(reads, writes, fresh, slots: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _unpacked(fn, *, problem, **params):
-    """``fn`` of :data:`DECODE`'s operands (the bias only where the problem has one)."""
+    """``fn`` of :data:`DECODE`'s operands (the bias only where the problem has one), with the
+    problem of the channels it is given (one device's, where they are split)."""
     def run(x, pool, weight, *rest):
         bias, rest = (rest[0], rest[1:]) if problem.has_bias else (None, rest)
-        return list(fn(x, pool, weight, bias, *rest, problem=problem, **params))
+        local = dataclasses.replace(problem, dim=x.shape[-1])
+        return list(fn(x, pool, weight, bias, *rest, problem=local, **params))
     return run
 
 
-def _decode_rule(platform: str, *, problem, implementation, interpret):
+def serving_rule(prim, fn, operands: int, has_bias: bool) -> Callable:
+    """The lowering rule of a serving kernel ``fn(x, pool, weight, [bias,] *metadata) -> (y,
+    pool)`` (``operands`` in all) for ``prim``: on several devices (its partitioned flavour)
+    split along the channels where XLA split them (tensor parallelism: a depthwise step,
+    each channel of its outputs and slots reads only itself), the metadata replicated."""
+    channels_in = [-1, -1, -1] + [-1] * has_bias + [None] * (operands - 3 - has_bias)
+    partitioned = None
+    if prim is SERVING.flavours(prim)[0]:
+        partitioned = batch_partitioned(fn, [False] * operands, [False, False], True, channels_in, [-1, -1])
+    return kernel_rule(fn, multiple_results=True, partitioned=partitioned)
+
+
+def _decode_rule(prim, platform: str, *, problem, implementation, interpret):
     """:data:`DECODE`'s lowering for ``platform``: the kernel for a TPU (or by name), else the composition."""
     if implementation == "pallas_mosaic_tpu" or platform == "tpu":
         fn = _unpacked(_decode_kernel, problem=problem, interpret=interpret)
     else:
         fn = _unpacked(_decoded, problem=problem)
-    return kernel_rule(fn, multiple_results=True)
+    return serving_rule(prim, fn, 6 + problem.has_bias, problem.has_bias)
 
 
+# The serving kernels' primitives, each in two flavours (the partitioned one bound but
+# under an abstract mesh of abstract devices: _core.primitives.Kernels).
+SERVING = Kernels(REGISTRY)
 # causal_conv1d_update's decode step: operands (x, pool, weight, [bias,] reads, writes, fresh),
 # results (y, pool); params problem, implementation (None or "pallas_mosaic_tpu"), interpret.
-DECODE = primitive("causal_conv1d_decode", multiple_results=True)
-def_abstract_eval(DECODE, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
-register_lowering(DECODE, _decode_rule)
-# A map over anything (the pool is read and written whole) maps the primitive.
-def_batching(DECODE, lambda n, **params: [False] * n, foldable=False)
+DECODE, _DECODE_AHEAD = SERVING.primitives("causal_conv1d_decode", multiple_results=True)
+for _prim in (DECODE, _DECODE_AHEAD):
+    def_abstract_eval(_prim, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
+    register_lowering(_prim, functools.partial(_decode_rule, _prim))
+    # A map over anything (the pool is read and written whole) maps the primitive.
+    def_batching(_prim, lambda n, **params: [False] * n, foldable=False)
 
 
 # The pool's slots are read and written along its first axis only, so these serve any
