@@ -286,17 +286,26 @@ def test_export_for_cuda_works_in_a_process_with_several_devices():
 # --------------------------------------------------------------------------- causal_conv1d's kernels
 
 SHORT_BATCH = 16  # 2 rows per device; no other dim of the test arrays is 16.
+SHORT_DIM = 256  # 64 channels per device on the model axis; no other dim of the test arrays is 256.
 
 
 @needs_mesh
-@pytest.mark.parametrize("implementation", ["pallas_triton", "xla"])
-def test_causal_conv1d_stays_batch_sharded_and_matches_one_device(implementation):
+@pytest.mark.parametrize("implementation, channels", [
+    ("pallas_triton", False), ("xla", False), ("pallas_triton", True), ("pallas_mosaic_tpu", True),
+], ids=["pallas_triton-rows", "xla-rows", "pallas_triton-rows_and_channels", "pallas_mosaic_tpu-rows_and_channels"])
+def test_causal_conv1d_stays_sharded_and_matches_one_device(implementation, channels):
     """The short conv's kernels are batch-partitioned like masked_conv's (one kernel framework):
-    rows, segment ids and states split across devices, weight and bias gradients summed."""
+    rows, segment ids and states split across devices, weight and bias gradients summed.
+    With ``channels`` (tensor parallelism) the channels are split over a model axis too,
+    and the kernels run on each device's rows and channels (a depthwise op: a channel reads
+    only itself): the weight and bias gradients stay split by channel, summed over the data
+    axis only."""
     interpret = implementation != "xla"  # the fused kernels in Pallas' interpreter, traced inline
-    mesh = _mesh((N_DEVICES,), ("data",), AxisType.Auto)
-    x, w, b = random(10, (SHORT_BATCH, 12, 24)), random(11, (4, 24), scale=0.5), random(12, (24,))
-    state = random(13, (SHORT_BATCH, 3, 24))
+    mesh = _mesh((2, N_DEVICES // 2), ("data", "model"), AxisType.Auto) if channels else _mesh(
+        (N_DEVICES,), ("data",), AxisType.Auto)
+    model = "model" if channels else None
+    x, w, b = random(10, (SHORT_BATCH, 12, SHORT_DIM)), random(11, (4, SHORT_DIM), scale=0.5), random(12, (SHORT_DIM,))
+    state = random(13, (SHORT_BATCH, 3, SHORT_DIM))
     ids = jnp.asarray(np.repeat([[0] * 5 + [1] * 7], SHORT_BATCH, axis=0))
 
     def conv(x, w, b, state, ids, implementation=implementation, interpret=interpret):
@@ -304,52 +313,9 @@ def test_causal_conv1d_stays_batch_sharded_and_matches_one_device(implementation
                                 implementation=implementation, interpret=interpret)
 
     loss = lambda conv: (lambda x, w, b, state, ids: jnp.sum(jnp.sin(conv(x, w, b, state, ids))))
-    rows = NamedSharding(mesh, P("data"))
-    args = (jax.device_put(x, rows), jax.device_put(w, NamedSharding(mesh, P())),
-            jax.device_put(b, NamedSharding(mesh, P())), jax.device_put(state, rows), jax.device_put(ids, rows))
-    forward = jax.jit(conv).lower(*args).compile()
-    gradients = jax.jit(jax.grad(loss(conv), (0, 1, 2, 3))).lower(*args).compile()
-    y, (dx, dw, db, dstate) = forward(*args), gradients(*args)
-    for a in (y, dx, dstate):
-        assert a.sharding.is_equivalent_to(rows, a.ndim), a.sharding
-    assert dw.sharding.is_fully_replicated and db.sharding.is_fully_replicated
-
-    one = functools.partial(conv, implementation="xla", interpret=False)
-    y1 = jax.jit(one)(x, w, b, state, ids)
-    dx1, dw1, db1, dstate1 = jax.jit(jax.grad(loss(one), (0, 1, 2, 3)))(x, w, b, state, ids)
-    assert_close(y, y1, np.float32, reduction=4, scale=float(abs(x).max() * abs(w).max()) + 1.0)
-    for got, want, reduction in ((dx, dx1, 4), (dstate, dstate1, 4), (dw, dw1, SHORT_BATCH * 12),
-                                 (db, db1, SHORT_BATCH * 12)):
-        assert_close(got, want, np.float32, reduction=reduction, scale=float(abs(want).max()) + 1.0)
-    for compiled in (forward, gradients):
-        text = compiled.as_text()
-        assert "all-gather" not in text, f"{implementation}: the compiled program gathers:\n{text}"
-        assert not re.search(rf"f32\[{SHORT_BATCH},12,24\]", text), f"{implementation}: a device holds every row"
-    assert "all-reduce" in gradients.as_text()
-
-
-SHORT_DIM = 256  # 64 channels per device on the model axis; no other dim of the test arrays is 256.
-
-
-@needs_mesh
-@pytest.mark.parametrize("implementation", ["pallas_triton", "pallas_mosaic_tpu"])
-def test_causal_conv1d_stays_channel_sharded_and_matches_one_device(implementation):
-    """Tensor parallelism: with the channels split over a model axis (and the rows over a
-    data axis), the short conv's kernels run on each device's channels and rows (a
-    depthwise op: a channel reads only itself), so nothing is gathered; the weight and bias
-    gradients stay split by channel, summed over the data axis only."""
-    mesh = _mesh((2, N_DEVICES // 2), ("data", "model"), AxisType.Auto)
-    x, w, b = random(20, (SHORT_BATCH, 12, SHORT_DIM)), random(21, (4, SHORT_DIM), scale=0.5), random(22, (SHORT_DIM,))
-    state = random(23, (SHORT_BATCH, 3, SHORT_DIM))
-    ids = jnp.asarray(np.repeat([[0] * 5 + [1] * 7], SHORT_BATCH, axis=0))
-
-    def conv(x, w, b, state, ids, implementation=implementation, interpret=True):
-        return mk.causal_conv1d(x, w, b, segment_ids=ids, initial_state=state, activation="silu",
-                                implementation=implementation, interpret=interpret)
-
-    loss = lambda conv: (lambda x, w, b, state, ids: jnp.sum(jnp.sin(conv(x, w, b, state, ids))))
-    split, by_channel = NamedSharding(mesh, P("data", None, "model")), NamedSharding(mesh, P(None, "model"))
-    args = (jax.device_put(x, split), jax.device_put(w, by_channel), jax.device_put(b, NamedSharding(mesh, P("model"))),
+    split, by_channel = NamedSharding(mesh, P("data", None, model)), NamedSharding(mesh, P(None, model))
+    bias = NamedSharding(mesh, P(model))
+    args = (jax.device_put(x, split), jax.device_put(w, by_channel), jax.device_put(b, bias),
             jax.device_put(state, split), jax.device_put(ids, NamedSharding(mesh, P("data"))))
     forward = jax.jit(conv).lower(*args).compile()
     gradients = jax.jit(jax.grad(loss(conv), (0, 1, 2, 3))).lower(*args).compile()
@@ -357,7 +323,7 @@ def test_causal_conv1d_stays_channel_sharded_and_matches_one_device(implementati
     for a in (y, dx, dstate):
         assert a.sharding.is_equivalent_to(split, a.ndim), a.sharding
     assert dw.sharding.is_equivalent_to(by_channel, 2), dw.sharding
-    assert db.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1), db.sharding
+    assert db.sharding.is_equivalent_to(bias, 1), db.sharding
 
     one = functools.partial(conv, implementation="xla", interpret=False)
     y1 = jax.jit(one)(x, w, b, state, ids)
@@ -369,7 +335,9 @@ def test_causal_conv1d_stays_channel_sharded_and_matches_one_device(implementati
     for compiled in (forward, gradients):
         text = compiled.as_text()
         assert "all-gather" not in text, f"{implementation}: the compiled program gathers:\n{text}"
-        assert not re.search(rf"f32\[\d+,\d+,{SHORT_DIM}\]", text), f"{implementation}: a device holds every channel"
+        assert not re.search(rf"f32\[{SHORT_BATCH},12,", text), f"{implementation}: a device holds every row"
+        if channels:
+            assert not re.search(rf"f32\[\d+,\d+,{SHORT_DIM}\]", text), f"{implementation}: a device holds every channel"
     assert "all-reduce" in gradients.as_text()
 
 
