@@ -366,7 +366,7 @@ def test_serving_steps_stay_channel_sharded_and_match_one_device(kind, partition
     bias split over a model axis, ``causal_conv1d_step``'s kernels (the mixed step's, the
     decode step's; Mosaic TPU, interpreted) run on each device's channels, the step's
     metadata replicated: outputs and pool stay split, nothing is gathered, and they equal
-    one device's composition (the pool bit for bit)."""
+    one device's composition (the pool bit for bit); the donated pool is updated in place."""
     mesh = _mesh((N_DEVICES,), ("model",), AxisType.Auto)
     x, pool, w, b, kw = _serving_args(kind)
 
@@ -388,6 +388,7 @@ def test_serving_steps_stay_channel_sharded_and_match_one_device(kind, partition
     text = compiled.as_text()
     assert "all-gather" not in text, f"{kind}: the compiled program gathers:\n{text}"
     assert not re.search(rf"f32\[\d+,{SHORT_DIM}\]|f32\[8,3,{SHORT_DIM}\]", text), f"{kind}: a device holds every channel"
+    assert "input_output_alias={ {1}: (1, {}" in text, "each device's slice of the donated pool is the new one's"
 
     y1, new1 = jax.jit(functools.partial(step, implementation="xla", interpret=False))(x, pool, w, b)
     assert_close(y, y1, np.float32, reduction=4, scale=float(abs(x).max() * abs(w).max()) + 1.0)
