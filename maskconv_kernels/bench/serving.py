@@ -11,7 +11,11 @@ tokens, width 4, SiLU, as hybrid models serve their short convolutions). Three k
 * ``prefix``: ``mixed`` with prefix caching on (the state after every ``block`` tokens
   of a request written to a slot of its own), to set beside ``mixed`` (caching off);
 * ``documents``: ``mixed`` with ``positions``, each prefill chunk two packed documents
-  (the second starting at its middle), the decode tokens continuing theirs.
+  (the second starting at its middle), the decode tokens continuing theirs;
+* ``drafts``: ``mixed`` under speculative decoding: each decode row carries its last
+  accepted token and :data:`DRAFTS` drafts, after a step that accepted a random 1 to
+  ``DRAFTS + 1`` of its tokens (``num_accepted_tokens``; slots of ``W - 1 + DRAFTS``
+  inputs, the rejected drafts in them never read).
 
 Timed in one process with samples interleaved (:mod:`.timing`), not donated (each
 timed call reuses its inputs; ``--steps-per-call N`` runs N steps a call in a loop that
@@ -25,7 +29,7 @@ the call's own cost, its dispatch and the pool's copy into the loop, given besid
   D)`` block, ``lax.conv_general_dilated`` depthwise with ``VALID`` padding, take the
   outputs back to the step's token order and scatter each request's last ``W - 1``
   inputs to its slot;
-* ``causal_conv1d_step, xla`` (``prefix``, ``documents``): the same step as XLA's
+* ``causal_conv1d_step, xla`` (``prefix``, ``documents``, ``drafts``): the same step as XLA's
   composition (gather, ``causal_conv1d`` over the step, scatter of states and block
   states), what TPUs ran for these steps before the mixed step's kernel took them.
 
@@ -34,8 +38,8 @@ window read and its state written, its tokens read and outputs written, each blo
 written, the weights once) over the memory bandwidth (an H200's HBM on a GPU; on a CPU,
 a large array add measured in the same run), and the fraction of it achieved. Each cell
 also checks its executables: the largest difference of the outputs and written states
-from the baseline's, and whether NaN in every slot the step does not read leaves every
-output and written state bit-identical.
+from the baseline's, and whether NaN in every slot the step does not read (and in every
+rejected draft of the slots it reads) leaves every output and written state bit-identical.
 """
 from __future__ import annotations
 
@@ -58,10 +62,11 @@ from .sequence import roofline_bandwidth
 from .table import ms
 from .timing import DTYPES, Preset, add_grid_arguments, memory, quantile, run_grid, select, time_interleaved
 
-KINDS = ("decode", "mixed", "prefix", "documents")
-_COMPOSED_ONLY = ("prefix", "documents")  # no dense baseline is written for these: the composition instead
+KINDS = ("decode", "mixed", "prefix", "documents", "drafts")
+_COMPOSED_ONLY = ("prefix", "documents", "drafts")  # no dense baseline is written for these: the composition instead
 OURS, BASELINE = "causal_conv1d_step", "gather+lax.conv+scatter"
 COMPOSED = "causal_conv1d_step, xla"  # XLA's composition (the TPUs' path before the mixed kernel)
+DRAFTS = 3  # the ``drafts`` kind's drafts a decode row carries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +84,14 @@ class StepShape:
         return 0 if kind == "decode" else max(1, self.rows // 8)
 
     def lengths(self, kind: str) -> np.ndarray:
-        """Tokens per request: the prefill chunks first, then one token each."""
+        """Tokens per request: the prefill chunks first, then one token each (``1 + DRAFTS``
+        in the ``drafts`` kind)."""
         p = self.prefills(kind)
-        return np.array([self.chunk] * p + [1] * (self.rows - p), np.int32)
+        return np.array([self.chunk] * p + [1 + DRAFTS * (kind == "drafts")] * (self.rows - p), np.int32)
+
+    def state_len(self, kind: str) -> int:
+        """The inputs a slot holds: ``W - 1``, and the drafts' in the ``drafts`` kind."""
+        return self.width - 1 + DRAFTS * (kind == "drafts")
 
 
 def _shape(rows, dim, width=4, chunk=64, block=16):
@@ -103,7 +113,7 @@ PRESETS = {
 
 
 _STEP_FIELDS = ["x", "pool", "weight", "bias", "query_start_loc", "state_indices", "has_initial_state",
-                "block_indices", "num_computed_tokens", "positions"]
+                "block_indices", "num_computed_tokens", "positions", "num_accepted_tokens"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_STEP_FIELDS, meta_fields=[])
@@ -121,6 +131,7 @@ class Step:
     block_indices: jax.Array | None
     num_computed_tokens: jax.Array | None
     positions: jax.Array | None = None  # the ``documents`` kind: each token's position in its document
+    num_accepted_tokens: jax.Array | None = None  # the ``drafts`` kind: of each row's previous step's tokens
 
 
 def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
@@ -130,7 +141,7 @@ def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     slots = rng.permutation(2 * shape.rows)[: shape.rows].astype(np.int32)
     x = rng.standard_normal((int(qsl[-1]), shape.dim)).astype(np.float32)
-    pool = rng.standard_normal((2 * shape.rows, shape.width - 1, shape.dim)).astype(np.float32)
+    pool = rng.standard_normal((2 * shape.rows, shape.state_len(kind), shape.dim)).astype(np.float32)
     weight = (rng.standard_normal((shape.width, shape.dim)) / np.sqrt(shape.width)).astype(np.float32)
     bias = (0.1 * rng.standard_normal(shape.dim)).astype(np.float32)
     blocks = computed = None
@@ -148,11 +159,16 @@ def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
         within = np.arange(int(qsl[-1])) - np.repeat(qsl[:-1], lengths)
         half = np.repeat(lengths // 2, lengths)
         positions = np.where(np.repeat(lengths, lengths) > 1, np.where(within >= half, within - half, within), 5)
+    accepted = None
+    if kind == "drafts":  # prefill chunks: every token accepted (a fresh slot); decode rows: 1 to DRAFTS + 1
+        accepted = np.where(np.arange(shape.rows) < shape.prefills(kind), DRAFTS + 1,
+                            rng.integers(1, DRAFTS + 2, size=shape.rows)).astype(np.int32)
     as_x = lambda a: jnp.asarray(a).astype(dtype)  # noqa: E731
     return Step(as_x(x), jnp.asarray(pool), jnp.asarray(weight), jnp.asarray(bias), jnp.asarray(qsl),
-                jnp.asarray(slots), jnp.asarray(lengths == 1), None if blocks is None else jnp.asarray(blocks),
-                None if computed is None else jnp.asarray(computed),
-                None if positions is None else jnp.asarray(positions, jnp.int32))
+                jnp.asarray(slots), jnp.asarray(np.arange(shape.rows) >= shape.prefills(kind)),
+                None if blocks is None else jnp.asarray(blocks), None if computed is None else jnp.asarray(computed),
+                None if positions is None else jnp.asarray(positions, jnp.int32),
+                None if accepted is None else jnp.asarray(accepted))
 
 
 def ours(shape: StepShape, kind: str, implementation: str | None = None):
@@ -166,7 +182,7 @@ def ours(shape: StepShape, kind: str, implementation: str | None = None):
             has_initial_state=s.has_initial_state, activation="silu", block_size=shape.block if caching else None,
             block_indices=s.block_indices if caching else None,
             num_computed_tokens=s.num_computed_tokens if caching else None, positions=s.positions,
-            implementation=implementation,
+            num_accepted_tokens=s.num_accepted_tokens, implementation=implementation,
         )
 
     return f
@@ -202,19 +218,28 @@ def baseline(shape: StepShape, kind: str):
 
 def ideal_bytes(shape: StepShape, kind: str, x_dtype, state_dtype) -> int:
     """What the step must move: windows read and states written, tokens read and outputs written, block states
-    written, the weights once."""
-    state = (shape.width - 1) * shape.dim * np.dtype(state_dtype).itemsize
+    written, the weights once. A window is ``W - 1`` inputs (of a slot's accepted ones), a state a whole slot."""
+    window = (shape.width - 1) * shape.dim * np.dtype(state_dtype).itemsize
+    state = shape.state_len(kind) * shape.dim * np.dtype(state_dtype).itemsize
     lengths = shape.lengths(kind)
     tokens = int(lengths.sum()) * shape.dim * np.dtype(x_dtype).itemsize
-    read = int((lengths == 1).sum())  # prefill chunks start fresh
+    read = shape.rows - shape.prefills(kind)  # prefill chunks start fresh
     blocks = shape.prefills(kind) * (shape.chunk // shape.block) if kind == "prefix" else 0
-    return (read + shape.rows + blocks) * state + 2 * tokens + (shape.width + 1) * shape.dim * 4
+    return read * window + (shape.rows + blocks) * state + 2 * tokens + (shape.width + 1) * shape.dim * 4
 
 
 def _unread_slots_nan(s: Step) -> Step:
-    """The step with NaN in every pool slot it does not read (fresh requests' slots among them)."""
+    """The step with NaN in every pool slot it does not read (fresh requests' slots among them),
+    and in the rejected drafts of those it reads (after each one's last accepted input)."""
     read = jnp.zeros(s.pool.shape[0], bool).at[s.state_indices].set(s.has_initial_state)
-    return dataclasses.replace(s, pool=jnp.where(read[:, None, None], s.pool, jnp.nan))
+    kept = jnp.broadcast_to(read[:, None], s.pool.shape[:2])
+    if s.num_accepted_tokens is not None:
+        state_len = s.pool.shape[1]
+        # A row that accepted a of its previous step's 1 + k tokens holds W - 2 + a valid inputs.
+        rejected = jnp.zeros(s.pool.shape[0], jnp.int32).at[s.state_indices].set(
+            s.weight.shape[0] - 2 + s.num_accepted_tokens)
+        kept = kept & (jnp.arange(state_len)[None, :] < rejected[:, None])
+    return dataclasses.replace(s, pool=jnp.where(kept[..., None], s.pool, jnp.nan))
 
 
 def _written(s: Step, pool) -> jax.Array:
@@ -315,7 +340,7 @@ def markdown(rows: list[dict]) -> str:
         f"Median ms (p20-p80) of one step{marginal}; roofline = the bytes the step must move / bandwidth (the fraction of it "
         f"achieved in brackets); vs baseline = {BASELINE}'s time over this row's; diff = the largest |difference| "
         "of outputs and written states from the baseline's; NaN-isolated = NaN in every slot the step does not read "
-        f"leaves every output and written state bit-identical. Prefix and documents steps have no "
+        f"leaves every output and written state bit-identical. Prefix, documents and drafts steps have no "
         f"baseline; {COMPOSED} is XLA's composition of the same step, and their diff is from it.",
         "",
         "| shape | kind | tokens | dtype / state | implementation | median ms | p20-p80 ms | roofline ms (achieved) "

@@ -35,6 +35,10 @@ def test_the_ideal_bytes_count_each_read_and_write_once():
     mixed = (14 + 16) * state + 2 * (2 * 8 + 14) * token + weights
     assert serving.ideal_bytes(shape, "mixed", np.dtype("bfloat16"), np.float32) == mixed
     assert serving.ideal_bytes(shape, "prefix", np.dtype("bfloat16"), np.float32) == mixed + 4 * state
+    # Speculative decoding: 14 decode rows of 1 + 3 tokens, windows of 3 inputs read, slots of 6 written.
+    slot = 6 * 8 * 4
+    drafts = 14 * state + 16 * slot + 2 * (2 * 8 + 14 * 4) * token + weights
+    assert serving.ideal_bytes(shape, "drafts", np.dtype("bfloat16"), np.float32) == drafts
 
 
 def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
@@ -43,7 +47,7 @@ def test_a_quick_run_times_every_kind_with_metadata(tmp_path, capsys):
     assert {(r["kind"], r["implementation"]) for r in rows} == {
         ("decode", serving.OURS), ("decode", serving.BASELINE), ("mixed", serving.OURS), ("mixed", serving.BASELINE),
         ("prefix", serving.OURS), ("prefix", serving.COMPOSED), ("documents", serving.OURS),
-        ("documents", serving.COMPOSED)}
+        ("documents", serving.COMPOSED), ("drafts", serving.OURS), ("drafts", serving.COMPOSED)}
     for r in rows:
         assert "error" not in r, r["error"]
         for key in ("device", "jax", "commit", "time_utc", "median_s", "roofline_s", "ideal_bytes", "state_dtype"):
@@ -128,3 +132,27 @@ def test_a_documents_step_packs_two_documents_in_each_prefill_chunk():
     half = np.repeat(lengths // 2, lengths)
     reads_first = (np.repeat(lengths, lengths) > 1) & (within >= half) & (within - half < shape.width - 1)
     np.testing.assert_array_equal(differs, reads_first)
+
+
+def test_a_drafts_step_probes_the_rejected_drafts_with_nan():
+    """The ``drafts`` kind: decode rows of ``1 + DRAFTS`` tokens over slots of ``W - 1 +
+    DRAFTS`` inputs, prefill chunks fresh with every token accepted; its NaN probe fills the
+    read slots' rejected drafts (and only those) and every unread slot, and the step's
+    outputs and states do not change."""
+    _, (shape,) = serving.PRESETS["quick"]
+    step = serving.make_step(shape, "drafts", np.float32)
+    k, w = serving.DRAFTS, shape.width
+    assert step.pool.shape[1] == w - 1 + k
+    lengths, accepted = np.diff(np.asarray(step.query_start_loc)), np.asarray(step.num_accepted_tokens)
+    decoding = np.arange(shape.rows) >= shape.prefills("drafts")
+    np.testing.assert_array_equal(lengths[decoding], 1 + k)
+    assert (accepted[~decoding] == k + 1).all() and 1 <= accepted.min() and accepted.max() <= k + 1
+    probe = np.asarray(serving._unread_slots_nan(step).pool)
+    for r in np.flatnonzero(decoding):
+        rows = np.isnan(probe[int(step.state_indices[r])]).any(axis=1)
+        np.testing.assert_array_equal(rows, np.arange(w - 1 + k) >= w - 2 + accepted[r])
+    f = jax.jit(serving.ours(shape, "drafts", "xla"))
+    (y, pool), (y_nan, pool_nan) = f(step), f(serving._unread_slots_nan(step))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_nan))
+    written = np.asarray(step.state_indices)
+    np.testing.assert_array_equal(np.asarray(pool)[written], np.asarray(pool_nan)[written])
