@@ -26,12 +26,12 @@ only their times are the finding.
 
 ``--prefix``: ``bench serving``'s ``prefix`` steps (the ``mixed`` steps' tokens, each
 prefill chunk's state after every 16 tokens written to a slot of its own) at the default
-``Config``: the kernel on the mixed step and on the prefix step with its block states, and
+``Config``: the kernel on the mixed step (as it is, and with its bookkeeping's scatters:
+``COMPARE_PAIRS = 0``) and on the prefix step with its block states, and
 ``causal_conv1d_step`` on the prefix step (the kernel behind its race check and run-time
-branch): as it is (the check's pairwise compares at these sizes), with the check's
-scatters (``PAIRWISE_PAIRS = 0``), and with the check replaced by a traced ``False`` (the
-branch alone); each time a step the difference of loops of 100 and 50 steps over 50 (the
-call's own cost left out).
+branch): as it is (compares at these sizes), with scatters, and with the check replaced
+by a traced ``False`` (the branch alone); each time a step the difference of loops of 100
+and 50 steps over 50 (the call's own cost left out).
 
 ``--chunk N``: the prefill requests' chunks are N tokens (64 in the preset), so that most
 tiles lie inside a long prefill, where no token reads its slot. ``--tile TxC``: the parts
@@ -48,6 +48,7 @@ import numpy as np
 from maskconv_kernels.bench.serving import PRESETS, _shape, ideal_bytes, in_place, make_step, ours
 from maskconv_kernels.bench.timing import median_times
 from maskconv_kernels.ops.causal_conv1d import pallas_mosaic_tpu as tpu
+from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import config as tpu_config
 from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import mixed
 from maskconv_kernels.ops.causal_conv1d.checks import problem_of
 from maskconv_kernels.ops.causal_conv1d import step as step_module
@@ -164,17 +165,18 @@ def prefix():
     config = (tpu.Config().step_tokens, tpu.Config().step_channels, tpu.Config().step_states_from_frame)
     for shape in SHAPES:
         mixed_step, prefix_step = make_step(shape, "mixed", jnp.bfloat16), make_step(shape, "prefix", jnp.bfloat16)
-        variants = {"kernel, mixed step": (kernel(config), mixed_step, {}),
-                    "kernel, prefix step, block states": (kernel(config, shape.block), prefix_step, {}),
-                    "causal_conv1d_step, prefix step": (ours(shape, "prefix"), prefix_step, {}),
-                    "causal_conv1d_step, prefix step, race check by scatters": (
-                        ours(shape, "prefix"), prefix_step, {"PAIRWISE_PAIRS": 0}),
+        scatters = (tpu_config, {"COMPARE_PAIRS": 0})
+        variants = {"kernel, mixed step": (kernel(config), mixed_step, None),
+                    "kernel, mixed step, scatters": (kernel(config), mixed_step, scatters),
+                    "kernel, prefix step, block states": (kernel(config, shape.block), prefix_step, None),
+                    "causal_conv1d_step, prefix step": (ours(shape, "prefix"), prefix_step, None),
+                    "causal_conv1d_step, prefix step, scatters": (ours(shape, "prefix"), prefix_step, scatters),
                     "causal_conv1d_step, prefix step, no race check": (
-                        ours(shape, "prefix"), prefix_step, {"_kernels_refuse": _never_refused})}
+                        ours(shape, "prefix"), prefix_step, (step_module, {"_kernels_refuse": _never_refused}))}
         fns, args = {}, {}
-        for name, (f, step, names) in variants.items():
+        for name, (f, step, patch) in variants.items():
             for n in (STEPS, 2 * STEPS):
-                with patched(names, step_module):
+                with patched(*(patch[::-1] if patch else ({},))):
                     fns[name, n] = jax.jit(in_place(f, n)).lower(step).compile()
                 args[name, n] = [(step,)]
         times = median_times(fns, args, 5 if INTERPRET else 10)

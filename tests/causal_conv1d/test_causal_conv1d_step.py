@@ -208,6 +208,25 @@ def test_the_race_checks_two_ways_agree():
     assert 0.2 < np.mean(answers) < 0.8, "the draws exercise both answers"
 
 
+def test_the_bookkeeping_by_scatters_equals_the_bookkeeping_by_compares(monkeypatch):
+    """The mixed step's index bookkeeping (each token's request, the tiles that store state
+    rows, the race check) by scatters (large steps) gives the kernels the same step as by
+    compares (small ones): outputs and pool bit for bit, at prefix caching with
+    ``write_indices`` and at a race the check refuses."""
+    from maskconv_kernels.ops.causal_conv1d.pallas_mosaic_tpu import config
+
+    for changes in (dict(write_indices=jnp.array([0, 11, 2, 3, PAD_SLOT_ID])),
+                    dict(write_indices=jnp.array([0, 9, 2, 1, PAD_SLOT_ID]))):
+        x, pool, w, b, kw = _prefix_step(**changes)
+        step = jax.jit(lambda x, pool, w, b: causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL))
+        compared = step(x, pool, w, b)
+        monkeypatch.setattr(config, "COMPARE_PAIRS", 0)
+        scattered = jax.jit(lambda x, pool, w, b: causal_conv1d_step(x, pool, w, b, **kw, **TPU_KERNEL))(x, pool, w, b)
+        monkeypatch.undo()
+        for a, b_ in zip(compared, scattered):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
 def test_prefix_caching_and_write_indices_on_the_mixed_kernel_equal_the_composition():
     """The TPU kernels named (interpreted off a TPU): a step with prefix caching takes the
     mixed step's kernel (nothing in it races), its outputs within rounding of XLA's

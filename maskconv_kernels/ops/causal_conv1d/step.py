@@ -29,6 +29,7 @@ from ..._core.primitives import bind, def_abstract_eval, def_batching, register_
 from .api import causal_conv1d
 from .checks import check_activation, check_operands, problem_of
 from . import pallas_mosaic_tpu as tpu
+from .pallas_mosaic_tpu import config as tpu_config
 from .pallas_mosaic_tpu.config import ZEROS
 from .update import (
     PAD_SLOT_ID, SERVING, check_row_values, check_state_indices, decode_launch, fresh_rows, one_launch, read_slots,
@@ -289,14 +290,9 @@ def _kernels_refuse(qsl, read, codes, crossed, slots: int, path=None, separate: 
         targets.append(crossed.reshape(-1))
         owners.append(jnp.repeat(jnp.arange(requests), crossed.shape[1]))
     target, owner = jnp.concatenate(targets), jnp.concatenate(owners)
-    races = _races_pairwise if target.shape[0] ** 2 <= PAIRWISE_PAIRS else _races_counted
+    # Up to COMPARE_PAIRS pairs of slot targets ((R * (1 + M))^2), compared pairwise.
+    races = _races_pairwise if target.shape[0] ** 2 <= tpu_config.COMPARE_PAIRS else _races_counted
     return refused | races(target, owner, reads, slots)
-
-
-# Up to this many pairs of slot targets (``(R * (1 + M))^2``), the race check compares them
-# pairwise, a fused compare and reduction; beyond, it counts them in scatters over the
-# pool's slots (docs/design/tpu.md, The race check).
-PAIRWISE_PAIRS = 1 << 22
 
 
 def _races_pairwise(target, owner, reads, slots: int):
@@ -406,7 +402,10 @@ def _decode(problem, implementation, interpret):
 
 def _owners(qsl: jax.Array, tokens: int) -> jax.Array:
     """``(T,)`` int32: the request owning each token, ``R`` for the padding after the last: how
-    many requests end at or before it (a scatter and a cumulative sum, no search loop)."""
+    many requests end at or before it (every token against every end, up to
+    ``COMPARE_PAIRS`` pairs; else a scatter and a cumulative sum; no search loop)."""
+    if tokens * (qsl.shape[0] - 1) <= tpu_config.COMPARE_PAIRS:
+        return jnp.sum(qsl[None, 1:] <= jnp.arange(tokens)[:, None], axis=1, dtype=jnp.int32)
     ends = jnp.zeros((tokens + 1,), jnp.int32).at[jnp.minimum(qsl[1:], tokens)].add(1)
     return jnp.cumsum(ends)[:tokens]
 

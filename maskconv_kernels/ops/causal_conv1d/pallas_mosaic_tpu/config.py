@@ -10,7 +10,7 @@ from ...._core.args import is_int
 from ...._core.tiling import round_up
 
 __all__ = ["Config", "KERNELS", "DECODE_KERNEL", "MIXED_KERNEL", "ZEROS", "NAN", "PAD", "LANES", "VMEM_LIMIT_BYTES",
-           "halo_rows"]
+           "COMPARE_PAIRS", "halo_rows"]
 
 # The kernels' names (in a lowered module, in profiles).
 KERNELS = ("causal_conv1d_tpu_fwd", "causal_conv1d_tpu_bwd")
@@ -22,6 +22,10 @@ LANES = 128  # a vreg's lanes: a block's channels are a multiple of this, or all
 SUBLANES = 16  # a bfloat16 vreg's rows (float32: 8): halos and position blocks are multiples
 MiB = 1 << 20
 VMEM_LIMIT_BYTES = 48 * MiB  # what the kernels ask Mosaic for: below v7x's 64 MiB per core
+# The serving steps' index bookkeeping in XLA (each token's request, the tiles that store
+# state rows, the race check) compares every pair of indices, one fused compare and
+# reduction, up to this many pairs, and scatters beyond (docs/design/tpu.md, The race check).
+COMPARE_PAIRS = 1 << 22
 _MAX_POSITIONS = 8192
 _MAX_CHANNELS = 4096
 

@@ -67,6 +67,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ...._core.tiling import cdiv, round_up
 from ..checks import Problem
+from . import config
 from .config import MIXED_KERNEL, NAN, PAD, SUBLANES, VMEM_LIMIT_BYTES, ZEROS, MiB
 from .kernels import pool_call, sigmoid
 
@@ -446,6 +447,8 @@ def _short_states(rows, slots, kinds, consumed, s: MixedStatic, tiles: int, limi
     if limits is not None:
         short |= jnp.take(limits, jnp.minimum(rows, limits.shape[0] - 1)) < s.state_len - 1
     tile_of = jnp.where((slots >= 0) & (kinds == _SENT) & short, rows // s.tile, tiles)
+    if tiles * tile_of.shape[0] <= config.COMPARE_PAIRS:
+        return jnp.any(tile_of[None, :] == jnp.arange(tiles)[:, None], axis=1).astype(jnp.int32)
     return jnp.zeros((tiles,), jnp.int32).at[tile_of].set(1, mode="drop")
 
 
