@@ -165,18 +165,18 @@ def prefix():
     config = (tpu.Config().step_tokens, tpu.Config().step_channels, tpu.Config().step_states_from_frame)
     for shape in SHAPES:
         mixed_step, prefix_step = make_step(shape, "mixed", jnp.bfloat16), make_step(shape, "prefix", jnp.bfloat16)
-        scatters = (tpu_config, {"COMPARE_PAIRS": 0})
+        scatters = ({"COMPARE_PAIRS": 0}, tpu_config)  # patched()'s arguments
         variants = {"kernel, mixed step": (kernel(config), mixed_step, None),
                     "kernel, mixed step, scatters": (kernel(config), mixed_step, scatters),
                     "kernel, prefix step, block states": (kernel(config, shape.block), prefix_step, None),
                     "causal_conv1d_step, prefix step": (ours(shape, "prefix"), prefix_step, None),
                     "causal_conv1d_step, prefix step, scatters": (ours(shape, "prefix"), prefix_step, scatters),
                     "causal_conv1d_step, prefix step, no race check": (
-                        ours(shape, "prefix"), prefix_step, (step_module, {"_kernels_refuse": _never_refused}))}
+                        ours(shape, "prefix"), prefix_step, ({"_kernels_refuse": _never_refused}, step_module))}
         fns, args = {}, {}
         for name, (f, step, patch) in variants.items():
             for n in (STEPS, 2 * STEPS):
-                with patched(*(patch[::-1] if patch else ({},))):
+                with patched(*(patch or ({},))):
                     fns[name, n] = jax.jit(in_place(f, n)).lower(step).compile()
                 args[name, n] = [(step,)]
         times = median_times(fns, args, 5 if INTERPRET else 10)

@@ -3,7 +3,7 @@
     python -m maskconv_kernels.bench serving --preset cpu --out DIR
 
 A step runs ``R`` requests over a pool of ``2R`` slots (float32 states, bfloat16
-tokens, width 4, SiLU, as hybrid models serve their short convolutions). Three kinds:
+tokens, width 4, SiLU, as hybrid models serve their short convolutions). Five kinds:
 
 * ``decode``: every request one token;
 * ``mixed``: an eighth of the requests a new request's first prefill chunk of
@@ -173,7 +173,7 @@ def make_step(shape: StepShape, kind: str, dtype, seed: int = 0) -> Step:
 
 def ours(shape: StepShape, kind: str, implementation: str | None = None):
     """``f(step) -> (y, pool)``: ``causal_conv1d_step`` (prefix caching in the ``prefix`` kind,
-    ``positions`` in the ``documents`` kind)."""
+    ``positions`` in the ``documents`` kind, ``num_accepted_tokens`` in the ``drafts`` kind)."""
     caching = kind == "prefix"
 
     def f(s: Step):

@@ -27,7 +27,6 @@ from .state import final_state
 __all__ = ["causal_conv1d", "IMPLEMENTATIONS", "PREFERENCE"]
 
 
-
 def _local(problem, operands: dict):
     """The problem of one device's slice of the rows and channels (``operands``: its arrays)."""
     x = operands["x"]

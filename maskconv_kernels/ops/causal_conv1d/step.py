@@ -14,9 +14,6 @@ instead: its parent chain, then its slot.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +22,7 @@ from jax import lax
 from ..._core.args import as_operand, as_segment_ids
 from ..._core.errors import OpError
 from ..._core.history import check_dtype
-from ..._core.primitives import bind, def_abstract_eval, def_batching, register_lowering
+from ..._core.primitives import bind
 from .api import causal_conv1d
 from .checks import check_activation, check_operands, problem_of
 from . import pallas_mosaic_tpu as tpu
@@ -33,7 +30,7 @@ from .pallas_mosaic_tpu import config as tpu_config
 from .pallas_mosaic_tpu.config import ZEROS
 from .update import (
     PAD_SLOT_ID, SERVING, check_row_values, check_state_indices, decode_launch, fresh_rows, one_launch, read_slots,
-    serving_rule, slot_codes, tpu_kernel_taken, write_slots,
+    serving_primitive, serving_rule, slot_codes, tpu_kernel_taken, write_slots,
 )
 
 __all__ = ["causal_conv1d_step"]
@@ -361,29 +358,21 @@ def _mixed_rule(prim, platform: str, *, problem, interpret: bool, size, shifted:
     they are split)."""
     del platform
 
-    def fn(x, pool, weight, *rest):
+    def fn(x, pool, weight, bias, qsl, reads, writes, owner, within, *rest, problem):
         rest = list(rest)
-        bias = rest.pop(0) if problem.has_bias else None
-        qsl, reads, writes, owner, within = (rest.pop(0) for _ in range(5))
         blocks = (size, rest.pop(0), rest.pop(0)) if size is not None else None
         shifts = rest.pop(0) if shifted else None
         limits = rest.pop(0) if positioned else None
-        local = dataclasses.replace(problem, dim=x.shape[-1])
-        return list(tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=local,
-                             interpret=interpret, blocks=blocks, shifts=shifts, limits=limits))
+        return tpu.step(x, pool, weight, bias, qsl, reads, writes, owner, within, problem=problem,
+                        interpret=interpret, blocks=blocks, shifts=shifts, limits=limits)
 
-    operands = 3 + problem.has_bias + 5 + 2 * (size is not None) + shifted + positioned
-    return serving_rule(prim, fn, operands, problem.has_bias)
+    return serving_rule(prim, fn, problem)
 
 
 # The mixed step's kernel: operands (x, pool, weight, [bias,] qsl, reads, writes, owner,
 # within, [crossed, computed,] [shifts,] [limits]), results (y, pool); params problem,
 # interpret, size (K with prefix caching's block states, else None), shifted, positioned.
-MIXED, _MIXED_AHEAD = SERVING.primitives("causal_conv1d_mixed_step", multiple_results=True)
-for _prim in (MIXED, _MIXED_AHEAD):
-    def_abstract_eval(_prim, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
-    register_lowering(_prim, functools.partial(_mixed_rule, _prim))
-    def_batching(_prim, lambda n, **params: [False] * n, foldable=False)
+MIXED = serving_primitive("causal_conv1d_mixed_step", _mixed_rule)
 
 
 def _decode(problem, implementation, interpret):

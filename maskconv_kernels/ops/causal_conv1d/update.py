@@ -21,6 +21,8 @@ from .backends import REGISTRY
 from ..._core.args import as_operand
 from ..._core.errors import OpError
 from ..._core.history import History, Ring, check_dtype
+from jax.extend.core import Primitive
+
 from ..._core.primitives import (
     Kernels, batch_partitioned, bind, def_abstract_eval, def_batching, kernel_rule, register_lowering,
 )
@@ -32,6 +34,7 @@ from .state import final_state
 __all__ = [
     "causal_conv1d_update", "PAD_SLOT_ID", "check_state_indices", "check_row_values", "read_slots", "write_slots",
     "zero_padding_rows", "one_launch", "tpu_kernel_taken", "decode_launch", "DECODE", "SERVING", "serving_rule",
+    "serving_primitive",
 ]
 
 # causal-conv1d's and vLLM's PAD_SLOT_ID: a row of the batch that holds no request.
@@ -276,35 +279,45 @@ def slot_codes(reads, writes, fresh, slots: int) -> tuple[jax.Array, jax.Array]:
     return codes.astype(jnp.int32), jnp.where(writable, targets, -1).astype(jnp.int32)
 
 
-def _unpacked(fn, *, problem, **params):
-    """``fn`` of :data:`DECODE`'s operands (the bias only where the problem has one), with the
-    problem of the channels it is given (one device's, where they are split)."""
+def serving_rule(prim, fn, problem) -> Callable:
+    """The lowering rule for ``prim`` of a serving kernel ``fn(x, pool, weight, bias, *metadata,
+    problem) -> (y, pool)``, whose operands are ``x, pool, weight, [bias,] *metadata`` (the
+    bias only where ``problem`` has one) and whose ``problem`` is that of the channels it is
+    given. On several devices (``prim``'s partitioned flavour) it is split along the
+    channels where XLA split them (tensor parallelism: a depthwise step, each channel of
+    its outputs and slots reads only itself), the metadata replicated."""
+    channeled = 3 + problem.has_bias  # x, pool, weight[, bias]: channels last
+
     def run(x, pool, weight, *rest):
         bias, rest = (rest[0], rest[1:]) if problem.has_bias else (None, rest)
-        local = dataclasses.replace(problem, dim=x.shape[-1])
-        return list(fn(x, pool, weight, bias, *rest, problem=local, **params))
-    return run
+        return list(fn(x, pool, weight, bias, *rest, problem=dataclasses.replace(problem, dim=x.shape[-1])))
+
+    def split(*operands):
+        n = len(operands)
+        channels_in = [-1] * channeled + [None] * (n - channeled)
+        return batch_partitioned(run, [False] * n, [False, False], True, channels_in, [-1, -1])(*operands)
+
+    return kernel_rule(run, multiple_results=True, partitioned=split if prim is SERVING.flavours(prim)[0] else None)
 
 
-def serving_rule(prim, fn, operands: int, has_bias: bool) -> Callable:
-    """The lowering rule of a serving kernel ``fn(x, pool, weight, [bias,] *metadata) -> (y,
-    pool)`` (``operands`` in all) for ``prim``: on several devices (its partitioned flavour)
-    split along the channels where XLA split them (tensor parallelism: a depthwise step,
-    each channel of its outputs and slots reads only itself), the metadata replicated."""
-    channels_in = [-1, -1, -1] + [-1] * has_bias + [None] * (operands - 3 - has_bias)
-    partitioned = None
-    if prim is SERVING.flavours(prim)[0]:
-        partitioned = batch_partitioned(fn, [False] * operands, [False, False], True, channels_in, [-1, -1])
-    return kernel_rule(fn, multiple_results=True, partitioned=partitioned)
+def serving_primitive(name: str, rule_for: Callable) -> Primitive:
+    """A serving kernel's primitive (its partitioned flavour; :data:`SERVING` gives the one to
+    bind), lowered by ``rule_for(prim, platform, **params)``: results ``(y, pool)`` shaped
+    like its first two operands, and a map over anything (the pool is read and written
+    whole) maps it."""
+    flavours = SERVING.primitives(name, multiple_results=True)
+    for prim in flavours:
+        def_abstract_eval(prim, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
+        register_lowering(prim, functools.partial(rule_for, prim))
+        def_batching(prim, lambda n, **params: [False] * n, foldable=False)
+    return flavours[0]
 
 
 def _decode_rule(prim, platform: str, *, problem, implementation, interpret):
     """:data:`DECODE`'s lowering for ``platform``: the kernel for a TPU (or by name), else the composition."""
     if implementation == "pallas_mosaic_tpu" or platform == "tpu":
-        fn = _unpacked(_decode_kernel, problem=problem, interpret=interpret)
-    else:
-        fn = _unpacked(_decoded, problem=problem)
-    return serving_rule(prim, fn, 6 + problem.has_bias, problem.has_bias)
+        return serving_rule(prim, functools.partial(_decode_kernel, interpret=interpret), problem)
+    return serving_rule(prim, _decoded, problem)
 
 
 # The serving kernels' primitives, each in two flavours (the partitioned one bound but
@@ -312,12 +325,7 @@ def _decode_rule(prim, platform: str, *, problem, implementation, interpret):
 SERVING = Kernels(REGISTRY)
 # causal_conv1d_update's decode step: operands (x, pool, weight, [bias,] reads, writes, fresh),
 # results (y, pool); params problem, implementation (None or "pallas_mosaic_tpu"), interpret.
-DECODE, _DECODE_AHEAD = SERVING.primitives("causal_conv1d_decode", multiple_results=True)
-for _prim in (DECODE, _DECODE_AHEAD):
-    def_abstract_eval(_prim, lambda x, pool, *rest, **params: [(x.shape, x.dtype), (pool.shape, pool.dtype)])
-    register_lowering(_prim, functools.partial(_decode_rule, _prim))
-    # A map over anything (the pool is read and written whole) maps the primitive.
-    def_batching(_prim, lambda n, **params: [False] * n, foldable=False)
+DECODE = serving_primitive("causal_conv1d_decode", _decode_rule)
 
 
 # The pool's slots are read and written along its first axis only, so these serve any
